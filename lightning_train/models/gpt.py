@@ -1,0 +1,282 @@
+"""A decoder-only transformer language model in plain PyTorch (no Lightning imports).
+
+The default is a Llama-style block (pre-norm RMSNorm, rotary position embeddings, SwiGLU MLP, no
+biases, optional grouped-query attention): it is what current open models use, it trains stably
+without tuning, and Llama-family checkpoints map onto it weight for weight. The same config can
+describe a GPT-2 block (LayerNorm with bias, learned positions, GELU MLP) so GPT-2 checkpoints map
+onto it too. Attention runs through ``scaled_dot_product_attention`` (flash/memory-efficient kernels
+where the device has them).
+
+    >>> model = GPT(GPTConfig(vocab_size=256, block_size=64, n_layer=2, n_head=2, n_embd=32))
+    >>> model(torch.zeros(1, 8, dtype=torch.long)).shape
+    torch.Size([1, 8, 256])
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class GPTConfig:
+    """Shape and flavour of the model. The defaults are a small Llama-style model."""
+
+    vocab_size: int = 256
+    block_size: int = 256  # longest context the model accepts
+    n_layer: int = 4
+    n_head: int = 4
+    n_kv_head: int | None = None  # < n_head: grouped-query attention; None: same as n_head
+    n_embd: int = 256
+    intermediate_size: int | None = None  # MLP width; None: 4*n_embd (gelu) or ~8/3*n_embd (swiglu)
+    norm: Literal["rmsnorm", "layernorm"] = "rmsnorm"
+    position: Literal["rope", "learned"] = "rope"
+    mlp: Literal["swiglu", "gelu"] = "swiglu"
+    bias: bool = False
+    tie_embeddings: bool = True
+    dropout: float = 0.0
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    init_std: float = 0.02
+
+    def __post_init__(self) -> None:
+        if self.n_kv_head is None:
+            self.n_kv_head = self.n_head
+        if self.n_embd % self.n_head:
+            raise ValueError(f"n_embd={self.n_embd} must be divisible by n_head={self.n_head}")
+        if self.n_head % self.n_kv_head:
+            raise ValueError(f"n_head={self.n_head} must be divisible by n_kv_head={self.n_kv_head}")
+        if self.intermediate_size is None:
+            if self.mlp == "gelu":
+                self.intermediate_size = 4 * self.n_embd
+            else:  # 2/3 of 4*n_embd keeps the parameter count of a GELU MLP; round up to 64
+                self.intermediate_size = 64 * math.ceil(8 * self.n_embd / 3 / 64)
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+
+def _norm(config: GPTConfig) -> nn.Module:
+    if config.norm == "rmsnorm":
+        return nn.RMSNorm(config.n_embd, eps=config.norm_eps)
+    return nn.LayerNorm(config.n_embd, eps=config.norm_eps, bias=config.bias)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for rotary embeddings (the "rotate half" layout used by Llama checkpoints)."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.head_dim, self.max_len, self.theta = config.head_dim, config.block_size, config.rope_theta
+        # Non-persistent: derived from the config, so not in checkpoints; rebuilt by reset_parameters()
+        # after a strategy materialises the model from the meta device.
+        self.register_buffer("cos", torch.empty(self.max_len, self.head_dim), persistent=False)
+        self.register_buffer("sin", torch.empty(self.max_len, self.head_dim), persistent=False)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        device = self.cos.device if self.cos.device.type != "meta" else None
+        inv_freq = 1.0 / self.theta ** (torch.arange(0, self.head_dim, 2, device=device).float() / self.head_dim)
+        angles = torch.outer(torch.arange(self.max_len, device=device).float(), inv_freq)
+        angles = torch.cat([angles, angles], dim=-1)
+        with torch.no_grad():
+            self.cos.copy_(angles.cos())
+            self.sin.copy_(angles.sin())
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Rotate ``x`` of shape (B, heads, T, head_dim) by the angles of ``positions`` (T,)."""
+        cos, sin = self.cos[positions].to(x.dtype), self.sin[positions].to(x.dtype)
+        x1, x2 = x.chunk(2, dim=-1)
+        return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+class KVCache:
+    """Keys and values of past positions for incremental decoding, one entry per block."""
+
+    def __init__(self, n_layer: int) -> None:
+        self.keys: list[torch.Tensor | None] = [None] * n_layer
+        self.values: list[torch.Tensor | None] = [None] * n_layer
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.keys[layer] is not None:
+            k = torch.cat([self.keys[layer], k], dim=2)
+            v = torch.cat([self.values[layer], v], dim=2)
+        self.keys[layer], self.values[layer] = k, v
+        return k, v
+
+    @property
+    def length(self) -> int:
+        return 0 if self.keys[0] is None else self.keys[0].shape[2]
+
+
+class Attention(nn.Module):
+    def __init__(self, config: GPTConfig, layer: int) -> None:
+        super().__init__()
+        self.config, self.layer = config, layer
+        self.n_head, self.n_kv_head, self.head_dim = config.n_head, config.n_kv_head, config.head_dim
+        self.qkv = nn.Linear(config.n_embd, (self.n_head + 2 * self.n_kv_head) * self.head_dim, bias=config.bias)
+        self.proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+
+    def forward(
+        self, x: torch.Tensor, rope: RotaryEmbedding | None, positions: torch.Tensor, cache: KVCache | None
+    ) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = self.qkv(x).split(
+            [self.n_head * self.head_dim, self.n_kv_head * self.head_dim, self.n_kv_head * self.head_dim], dim=-1
+        )
+        q = q.view(B, T, self.n_head, self.head_dim).transpose(1, 2)
+        k = k.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
+        v = v.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
+        if rope is not None:
+            q, k = rope(q, positions), rope(k, positions)
+        if cache is not None:
+            k, v = cache.update(self.layer, k, v)
+        # One new token attends to every cached position; a prompt (T > 1) needs the causal mask.
+        # A prompt fed onto a non-empty cache is not supported (generate() never does that).
+        is_causal = T > 1
+        dropout = self.config.dropout if self.training else 0.0
+        y = F.scaled_dot_product_attention(
+            q, k, v, is_causal=is_causal, dropout_p=dropout, enable_gqa=self.n_kv_head != self.n_head
+        )
+        return self.proj(y.transpose(1, 2).reshape(B, T, C))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.gated = config.mlp == "swiglu"
+        hidden = config.intermediate_size
+        self.up = nn.Linear(config.n_embd, 2 * hidden if self.gated else hidden, bias=config.bias)
+        self.down = nn.Linear(hidden, config.n_embd, bias=config.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gated:
+            gate, up = self.up(x).chunk(2, dim=-1)
+            return self.down(F.silu(gate) * up)
+        return self.down(F.gelu(self.up(x), approximate="tanh"))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, config: GPTConfig, layer: int) -> None:
+        super().__init__()
+        self.attn_norm = _norm(config)
+        self.attn = Attention(config, layer)
+        self.mlp_norm = _norm(config)
+        self.mlp = MLP(config)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(
+        self, x: torch.Tensor, rope: RotaryEmbedding | None, positions: torch.Tensor, cache: KVCache | None = None
+    ) -> torch.Tensor:
+        x = x + self.dropout(self.attn(self.attn_norm(x), rope, positions, cache))
+        return x + self.dropout(self.mlp(self.mlp_norm(x)))
+
+
+class GPT(nn.Module):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed = nn.Embedding(config.vocab_size, config.n_embd)
+        self.pos_embed = nn.Embedding(config.block_size, config.n_embd) if config.position == "learned" else None
+        self.rope = RotaryEmbedding(config) if config.position == "rope" else None
+        self.dropout = nn.Dropout(config.dropout)
+        self.blocks = nn.ModuleList(Block(config, i) for i in range(config.n_layer))
+        self.norm = _norm(config)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.lm_head.weight = self.embed.weight
+        self.init_weights()
+
+    def init_weights(self) -> None:
+        """Normal(0, init_std) weights, zero biases, and residual output projections scaled down by
+        sqrt(2 * n_layer) so the residual stream's variance does not grow with depth (GPT-2)."""
+        std = self.config.init_std
+        for name, module in self.named_modules():
+            if isinstance(module, nn.Linear):
+                scaled = name.endswith(("attn.proj", "mlp.down"))
+                nn.init.normal_(module.weight, std=std / math.sqrt(2 * self.config.n_layer) if scaled else std)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.Embedding):
+                nn.init.normal_(module.weight, std=std)
+            elif isinstance(module, (nn.RMSNorm, nn.LayerNorm, RotaryEmbedding)):
+                module.reset_parameters()
+
+    def forward(self, idx: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        """Logits of shape (B, T, vocab_size) for token ids ``idx`` of shape (B, T)."""
+        start = cache.length if cache is not None else 0
+        T = idx.shape[1]
+        if start + T > self.config.block_size:
+            raise ValueError(
+                f"sequence of {start + T} tokens exceeds the model's block_size={self.config.block_size}; "
+                "use shorter sequences or a model with a larger block_size"
+            )
+        positions = torch.arange(start, start + T, device=idx.device)
+        x = self.embed(idx)
+        if self.pos_embed is not None:
+            x = x + self.pos_embed(positions)
+        x = self.dropout(x)
+        for block in self.blocks:
+            x = block(x, self.rope, positions, cache)
+        return self.lm_head(self.norm(x))
+
+    def num_params(self, non_embedding: bool = False) -> int:
+        """Parameter count (shared tensors once); ``non_embedding`` drops token and position tables."""
+        n = sum(p.numel() for p in self.parameters())
+        if non_embedding:
+            n -= self.embed.weight.numel() if self.config.tie_embeddings else 0
+            n -= self.pos_embed.weight.numel() if self.pos_embed is not None else 0
+        return n
+
+    def flops_per_token(self, seq_len: int | None = None) -> float:
+        """Training FLOPs per token (forward + backward): 6 per non-embedding weight (the lm_head
+        counts) plus attention's 12 * n_layer * n_embd * seq_len (PaLM, appendix B)."""
+        seq_len = seq_len or self.config.block_size
+        weights = self.num_params(non_embedding=True)
+        if not self.config.tie_embeddings:
+            weights -= self.embed.weight.numel()
+        return 6 * weights + 12 * self.config.n_layer * self.config.n_embd * seq_len
+
+    @torch.no_grad()
+    def generate(
+        self,
+        idx: torch.Tensor,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        eos_id: int | None = None,
+        use_cache: bool = True,
+    ) -> torch.Tensor:
+        """Continue ``idx`` (B, T) by up to ``max_new_tokens``. temperature 0 is greedy; with
+        ``eos_id``, a row that produced it is padded with eos_id and generation ends when all did."""
+        cache = KVCache(self.config.n_layer) if use_cache else None
+        finished = torch.zeros(idx.shape[0], dtype=torch.bool, device=idx.device)
+        step_input = idx
+        for _ in range(max_new_tokens):
+            if idx.shape[1] >= self.config.block_size:
+                break
+            logits = self(step_input if use_cache else idx, cache)[:, -1, :].float()
+            if temperature == 0:
+                next_id = logits.argmax(dim=-1, keepdim=True)
+            else:
+                logits = logits / temperature
+                if top_k is not None:
+                    kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
+                    logits = logits.masked_fill(logits < kth, float("-inf"))
+                next_id = torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)
+            if eos_id is not None:
+                next_id = next_id.masked_fill(finished.unsqueeze(1), eos_id)
+                finished |= next_id.squeeze(1) == eos_id
+            idx = torch.cat([idx, next_id], dim=1)
+            step_input = next_id
+            if eos_id is not None and bool(finished.all()):
+                break
+        return idx
