@@ -1,0 +1,17 @@
+"""Data: tokenizers, token shards (``prepare``), the default corpus and the pretraining ``TextDataModule``."""
+
+from lightning_train.data.default_corpus import default_corpus_dir
+from lightning_train.data.shards import prepare, read_meta
+from lightning_train.data.text import TextDataModule
+from lightning_train.data.tokenizers import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
+
+__all__ = [
+    "ByteTokenizer",
+    "HFTokenizer",
+    "TextDataModule",
+    "Tokenizer",
+    "default_corpus_dir",
+    "load_tokenizer",
+    "prepare",
+    "read_meta",
+]

@@ -1,0 +1,294 @@
+"""Token shards: ``prepare`` turns text into memory-mapped token files plus a ``meta.json`` describing them.
+
+Layout of a dataset folder::
+
+    meta.json          format version, tokenizer spec, vocab_size, eos/pad ids, dtype, shard list, totals
+    train_00000.bin    token ids (uint16 if the vocabulary fits, else uint32), documents separated by eos
+    val_00000.bin      ...
+
+The split is systematic: a piece of text goes to val whenever val is behind ``val_fraction`` of the tokens
+seen so far, so val is spread evenly over the corpus, is never empty for a non-empty corpus (the first piece
+goes to val), and the result depends only on the inputs and the tokenizer.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import shutil
+import tempfile
+from collections import deque
+from collections.abc import Iterable, Iterator
+from itertools import islice
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import numpy as np
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
+
+from lightning_train.data.sources import Piece, collect_files, iter_pieces
+from lightning_train.data.tokenizers import Tokenizer, load_tokenizer
+from lightning_train.errors import UserInputError
+
+FORMAT_VERSION = 1
+SPLITS = ("train", "val")
+PREPARE_HINT = "python -m lightning_train prepare --inputs '[<text files or folders>]' --output_dir {}"
+
+
+def prepare(
+    inputs: list[str],
+    output_dir: str,
+    tokenizer: str = "byte",
+    val_fraction: float = 0.01,
+    jsonl_field: str = "text",
+    num_workers: int | None = None,
+    shard_tokens: int = 50_000_000,
+    overwrite: bool = False,
+) -> Path:
+    """Tokenize text files, folders and JSONL files into token shards in ``output_dir``; returns its path.
+
+    Args:
+        inputs: text files, folders (text-like files inside, recursively, sorted) and ``.jsonl`` files.
+        output_dir: the dataset folder to create; written elsewhere first and renamed into place at the end.
+        tokenizer: ``"byte"`` or the path of a Hugging Face ``tokenizer.json`` (see ``load_tokenizer``).
+        val_fraction: share of tokens held out for validation, in [0, 1).
+        jsonl_field: the field of each JSONL record that holds the document text.
+        num_workers: tokenizer processes; ``None`` uses every available core, 0 or 1 tokenizes in-process.
+        shard_tokens: tokens per shard file.
+        overwrite: replace an existing non-empty ``output_dir`` instead of refusing.
+    """
+    if isinstance(inputs, (str, Path)):
+        inputs = [inputs]
+    if not inputs:
+        raise UserInputError("inputs is empty; pass at least one text file, folder or JSONL file")
+    if not 0.0 <= val_fraction < 1.0:
+        raise UserInputError(
+            f"val_fraction={val_fraction} is outside [0, 1); use e.g. 0.01 for 1% validation"
+        )
+    if shard_tokens < 1:
+        raise UserInputError(f"shard_tokens={shard_tokens} must be positive; the default is 50_000_000")
+    if num_workers is None:
+        num_workers = (
+            len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        )
+    if num_workers < 0:
+        raise UserInputError(f"num_workers={num_workers} is negative; use 0 to tokenize in this process")
+    out = Path(output_dir).expanduser().resolve()
+    if out.exists() and not overwrite and (not out.is_dir() or any(out.iterdir())):
+        raise UserInputError(
+            f"output_dir {str(out)!r} already exists and is not empty; "
+            "pass overwrite=True (--overwrite true) to replace it"
+        )
+    tok = load_tokenizer(tokenizer)
+    files = collect_files(inputs)
+    if not files:
+        raise UserInputError(
+            f"inputs {[str(i) for i in inputs]} contain no text files; pass text/JSONL files"
+        )
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # A sibling folder: same filesystem, so the final rename is atomic.
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        meta = _write_shards(tmp, tok, files, val_fraction, jsonl_field, num_workers, shard_tokens)
+        if meta["total_tokens"] == 0:
+            raise UserInputError(
+                f"inputs {[str(i) for i in inputs]} contain no text (0 tokens); pass non-empty files"
+            )
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+        _publish(tmp, out, overwrite)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # only exists here after a failure
+    return out
+
+
+def _write_shards(
+    folder: Path,
+    tok: Tokenizer,
+    files: list[Path],
+    val_fraction: float,
+    jsonl_field: str,
+    num_workers: int,
+    shard_tokens: int,
+) -> dict[str, Any]:
+    dtype = np.dtype(np.uint16 if tok.vocab_size <= 1 << 16 else np.uint32)
+    writers = {split: _ShardWriter(folder, split, dtype, shard_tokens, tok.eos_id) for split in SPLITS}
+    val_tokens = total_tokens = 0
+    columns = (
+        TextColumn("[bold]tokenizing"),
+        BarColumn(),
+        DownloadColumn(),
+        TextColumn("{task.fields[tokens]:,} tokens"),
+        TimeRemainingColumn(),
+    )
+    with Progress(*columns) as progress:
+        total_bytes = sum(f.stat().st_size for f in files)
+        task = progress.add_task("", total=total_bytes, tokens=0)
+        for piece, tokens in _encode_in_order(iter_pieces(files, jsonl_field), tok, num_workers):
+            total_tokens += len(tokens)
+            split = "val" if val_tokens < val_fraction * total_tokens else "train"
+            if split == "val":
+                val_tokens += len(tokens)
+            writers[split].write_piece(tokens, piece)
+            progress.update(task, advance=piece.nbytes, tokens=total_tokens)
+        progress.update(task, completed=total_bytes)  # skipped blank lines and empty documents
+    shards = [shard for writer in writers.values() for shard in writer.close()]
+    return {
+        "format_version": FORMAT_VERSION,
+        "tokenizer": tok.name,
+        "vocab_size": tok.vocab_size,
+        "eos_id": tok.eos_id,
+        "pad_id": tok.pad_id,
+        "dtype": dtype.name,
+        "val_fraction": val_fraction,
+        "total_tokens": sum(shard["num_tokens"] for shard in shards),
+        "shards": shards,
+    }
+
+
+class _ShardWriter:
+    """Appends one split's tokens to ``<split>_NNNNN.bin`` files of ``shard_tokens`` each."""
+
+    def __init__(self, folder: Path, split: str, dtype: np.dtype, shard_tokens: int, eos_id: int) -> None:
+        self.folder, self.split, self.dtype, self.shard_tokens = folder, split, dtype, shard_tokens
+        self.eos = np.array([eos_id], dtype=dtype)
+        self.shards: list[dict[str, Any]] = []
+        self._file: BinaryIO | None = None
+        self._last: Piece | None = None  # the last piece written, if it did not end its document
+
+    def write_piece(self, tokens: np.ndarray, piece: Piece) -> None:
+        if self._last is not None and piece.index != self._last.index + 1:
+            self._write(self.eos)  # the rest of that document went to the other split: mark the jump
+        self._write(tokens.astype(self.dtype, copy=False))
+        self._last = None if piece.ends_doc else piece
+
+    def _write(self, tokens: np.ndarray) -> None:
+        while len(tokens):
+            if self._file is None:
+                name = f"{self.split}_{len(self.shards):05d}.bin"
+                self._file = open(self.folder / name, "wb")  # noqa: SIM115 - stays open across calls
+                self.shards.append({"file": name, "split": self.split, "num_tokens": 0, "max_token_id": 0})
+            shard = self.shards[-1]
+            room = self.shard_tokens - shard["num_tokens"]
+            part, tokens = tokens[:room], tokens[room:]
+            self._file.write(part.tobytes())
+            shard["num_tokens"] += len(part)
+            shard["max_token_id"] = max(shard["max_token_id"], int(part.max()))
+            if shard["num_tokens"] == self.shard_tokens:
+                self._file.close()
+                self._file = None
+
+    def close(self) -> list[dict[str, Any]]:
+        if self._last is not None:
+            self._write(self.eos)
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        return self.shards
+
+
+_worker_tokenizer: Tokenizer | None = None  # one per pool worker, built by _init_worker
+
+
+def _init_worker(spec: str) -> None:
+    global _worker_tokenizer
+    _worker_tokenizer = load_tokenizer(spec)
+
+
+def _encode_in_worker(piece: Piece) -> np.ndarray:
+    assert _worker_tokenizer is not None
+    return _encode(_worker_tokenizer, piece)
+
+
+def _encode(tok: Tokenizer, piece: Piece) -> np.ndarray:
+    ids = tok.encode(piece.text)
+    if piece.ends_doc:
+        ids.append(tok.eos_id)
+    return np.array(ids, dtype=np.uint32)
+
+
+def _encode_in_order(
+    pieces: Iterable[Piece], tok: Tokenizer, num_workers: int
+) -> Iterator[tuple[Piece, np.ndarray]]:
+    """(piece, tokens) in input order. With a pool, at most two batches are in flight, so memory stays bounded
+    however big the corpus (``Pool.imap`` would read the whole input ahead)."""
+    if num_workers <= 1:
+        for piece in pieces:
+            yield piece, _encode(tok, piece)
+        return
+    pieces = iter(pieces)
+    batch_size = 64 * num_workers
+    with multiprocessing.Pool(num_workers, initializer=_init_worker, initargs=(tok.name,)) as pool:
+        in_flight: deque = deque()
+        while batch := list(islice(pieces, batch_size)):
+            in_flight.append((batch, pool.map_async(_encode_in_worker, batch, chunksize=8)))
+            if len(in_flight) == 2:
+                done, result = in_flight.popleft()
+                yield from zip(done, result.get(), strict=True)
+        for done, result in in_flight:
+            yield from zip(done, result.get(), strict=True)
+
+
+def _publish(tmp: Path, out: Path, overwrite: bool) -> None:
+    """Move the finished dataset into place with one rename, so readers never see a half-written one."""
+    if overwrite and out.exists():
+        old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+        out.rename(old / out.name)
+        tmp.rename(out)
+        shutil.rmtree(old)
+        return
+    try:
+        tmp.rename(out)  # fails if another process filled out meanwhile
+    except OSError as err:
+        raise UserInputError(
+            f"output_dir {str(out)!r} was created by another process meanwhile; "
+            "pass overwrite=True (--overwrite true) to replace it"
+        ) from err
+
+
+def read_meta(data_dir: str | Path) -> dict[str, Any]:
+    """The checked ``meta.json`` of a dataset folder: every shard exists, has the listed size, and a sample
+    of its token ids fits the vocabulary."""
+    folder = Path(data_dir).expanduser()
+    meta_path = folder / "meta.json"
+    if not meta_path.is_file():
+        what = "does not exist" if not folder.exists() else "has no meta.json"
+        raise UserInputError(
+            f"data_dir {str(folder)!r} {what}; create it with `{PREPARE_HINT.format(folder)}`"
+        )
+    rerun = f"re-create the dataset with `{PREPARE_HINT.format(folder)} --overwrite true`"
+    try:
+        meta = json.loads(meta_path.read_text())
+        version, shards, vocab_size = meta["format_version"], meta["shards"], meta["vocab_size"]
+        dtype = np.dtype(meta["dtype"])
+    except (ValueError, KeyError, TypeError) as err:
+        raise UserInputError(f"{meta_path} is not a lightning_train meta.json ({err!r}); {rerun}") from err
+    if version != FORMAT_VERSION:
+        raise UserInputError(f"{meta_path} has format_version {version}, expected {FORMAT_VERSION}; {rerun}")
+    for shard in shards:
+        path = folder / shard["file"]
+        expected = shard["num_tokens"] * dtype.itemsize
+        found = path.stat().st_size if path.is_file() else None
+        if found != expected:
+            found_text = "missing" if found is None else f"{found} bytes"
+            raise UserInputError(
+                f"shard {str(path)!r} is {found_text}, meta.json says {expected} bytes; {rerun}"
+            )
+        largest = _sampled_max(np.memmap(path, dtype=dtype, mode="r")) if expected else 0
+        if largest > min(shard["max_token_id"], vocab_size - 1):
+            raise UserInputError(
+                f"shard {str(path)!r} holds token id {largest}, but meta.json says ids are at most "
+                f"{shard['max_token_id']} (vocab_size {vocab_size}); {rerun}"
+            )
+    return meta
+
+
+def _sampled_max(tokens: np.ndarray, budget: int = 1 << 22, chunk: int = 1 << 16) -> int:
+    """Largest id among up to ``budget`` tokens read as evenly spaced chunks: catches a shard written with
+    another tokenizer or dtype without reading gigabytes."""
+    if len(tokens) <= budget:
+        starts = range(0, len(tokens), chunk)
+    else:
+        starts = np.linspace(0, len(tokens) - chunk, budget // chunk).astype(np.int64)
+    return max(int(tokens[s : s + chunk].max()) for s in starts)
