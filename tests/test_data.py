@@ -243,6 +243,11 @@ def test_default_corpus_builds_once_and_survives_a_race(tmp_path: Path, monkeypa
     assert {s["split"] for s in meta["shards"]} == {"train", "val"}
     text = ByteTokenizer().decode(read_split(paths[0], "val")[:20_000].tolist())
     assert "def " in text and "import " in text
+    (tmp_path / "file").write_text("not a folder")
+    monkeypatch.setenv("LIGHTNING_TRAIN_CACHE", str(tmp_path / "file"))
+    with pytest.raises(UserInputError, match="set LIGHTNING_TRAIN_CACHE to a writable folder") as err:
+        default_corpus_dir()
+    assert str(tmp_path / "file") in str(err.value)
 
 
 # TextDataModule

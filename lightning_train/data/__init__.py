@@ -1,6 +1,7 @@
 """Data: tokenizers, token shards (``prepare``), the default corpus and the pretraining ``TextDataModule``."""
 
 from lightning_train.data.default_corpus import default_corpus_dir
+from lightning_train.data.sft import SFTDataModule
 from lightning_train.data.shards import prepare, read_meta
 from lightning_train.data.text import TextDataModule
 from lightning_train.data.tokenizers import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
@@ -8,6 +9,7 @@ from lightning_train.data.tokenizers import ByteTokenizer, HFTokenizer, Tokenize
 __all__ = [
     "ByteTokenizer",
     "HFTokenizer",
+    "SFTDataModule",
     "TextDataModule",
     "Tokenizer",
     "default_corpus_dir",

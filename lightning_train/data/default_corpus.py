@@ -45,11 +45,16 @@ def default_corpus_dir() -> Path:
         return out
     try:
         # In-process: encoding bytes is cheaper than shipping the text to worker processes.
-        return prepare(stdlib_sources(), out, tokenizer="byte", num_workers=0)
+        return prepare([str(path) for path in stdlib_sources()], str(out), tokenizer="byte", num_workers=0)
     except UserInputError:
         if (out / "meta.json").is_file():  # another process won the race
             return out
         raise
+    except OSError as err:
+        raise UserInputError(
+            f"cannot build the default corpus in {str(out.parent)!r} ({err}); "
+            "set LIGHTNING_TRAIN_CACHE to a writable folder"
+        ) from err
 
 
 def stdlib_sources(max_bytes: int = MAX_BYTES) -> list[Path]:

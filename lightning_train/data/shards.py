@@ -284,9 +284,9 @@ def read_meta(data_dir: str | Path) -> dict[str, Any]:
     return meta
 
 
-def _sampled_max(tokens: np.ndarray, budget: int = 1 << 22, chunk: int = 1 << 16) -> int:
+def _sampled_max(tokens: np.ndarray, budget: int = 1 << 18, chunk: int = 1 << 12) -> int:
     """Largest id among up to ``budget`` tokens read as evenly spaced chunks: catches a shard written with
-    another tokenizer or dtype without reading gigabytes."""
+    another tokenizer or dtype without reading gigabytes at every start."""
     if len(tokens) <= budget:
         starts = range(0, len(tokens), chunk)
     else:

@@ -237,10 +237,13 @@ class GPT(nn.Module):
         return n
 
     def flops_per_token(self, seq_len: int | None = None) -> float:
-        """Training FLOPs per token (forward + backward): 6 per non-embedding weight (the lm_head
-        counts) plus attention's 12 * n_layer * n_embd * seq_len (PaLM, appendix B)."""
+        """Training FLOPs per token (forward + backward): 6 per weight that multiplies (every weight
+        but the table lookups; a tied lm_head counts) plus attention's 12 * n_layer * n_embd * seq_len
+        (PaLM, appendix B)."""
         seq_len = seq_len or self.config.block_size
-        weights = self.num_params(non_embedding=True)
+        weights = self.num_params()
+        if self.pos_embed is not None:
+            weights -= self.pos_embed.weight.numel()
         if not self.config.tie_embeddings:
             weights -= self.embed.weight.numel()
         return 6 * weights + 12 * self.config.n_layer * self.config.n_embd * seq_len

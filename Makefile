@@ -1,0 +1,30 @@
+# The two set-up commands of the README: `make train` (the default CPU pretraining run) and
+# `make test` (the whole test suite). Both create .venv first when it is missing or stale.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# One OpenMP thread per process: tests run two workers (and two-rank process groups) on 2 cores.
+TEST_ENV := OMP_NUM_THREADS=1 WANDB_MODE=offline WANDB_SILENT=true
+
+.PHONY: venv train test test-quick lint
+
+venv: $(VENV)/.installed
+
+# torch==2.13.0 first and explicitly: it is the CPU wheel on disk; an open range would pull CUDA.
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $@
+
+train: venv
+	$(PY) -m lightning_train fit --config configs/pretrain-tiny.yaml
+
+test: venv
+	$(TEST_ENV) $(PY) -m pytest -n 2 --durations=15 -q
+
+test-quick: venv
+	$(TEST_ENV) $(PY) -m pytest -n 2 -q -m "not slow"
+
+lint: venv
+	$(VENV)/bin/ruff check .

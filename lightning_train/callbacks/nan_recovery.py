@@ -1,0 +1,431 @@
+"""NaNRecovery: skip bad optimizer steps, roll back and skip data when they persist, abort with forensics.
+
+The escalation ladder, checked at every optimizer step:
+
+1. **Skip** a step whose loss or gradient norm is non-finite, or whose loss (optionally gradient norm) is
+   a spike: more than ``spike_threshold`` standard deviations above the mean of the last ``window``
+   accepted steps. The step changes nothing (``lightning_train.plugins.skip_optimizer_step``).
+2. **Roll back** after ``max_consecutive_skips`` skips in a row, or ``max_skips_in_window`` within
+   ``skip_window`` steps: restore model, optimizer, LR schedulers and GradScaler from the snapshot taken
+   every ``snapshot_every`` steps (host memory, each rank its own shard), skip the next ``skip_batches``
+   batches, and optionally scale the LR by ``lr_scale`` for ``lr_scale_steps`` steps (PaLM §5.1).
+3. **Abort** when a rollback is due after ``max_rollbacks`` of them: save the last good state as a
+   checkpoint, write a forensic JSON, raise ``TrainingAborted`` (the CLI exits with code 3).
+
+All ranks decide the same: the step's loss, gradient norm and the scaler's overflow flag are averaged
+over ranks in one all-reduce of three numbers and read on the host once. Overflows the GradScaler
+handles itself (finite loss, inf/NaN scaled gradients) are left to it and counted by it.
+
+    >>> import lightning as L
+    >>> from lightning_train import GPTConfig, PretrainModule, TextDataModule
+    >>> from lightning_train.callbacks import GradNormMonitor, NaNRecovery
+    >>> recovery = NaNRecovery(snapshot_every=50, skip_batches=20, max_rollbacks=2)
+    >>> trainer = L.Trainer(max_steps=200, callbacks=[GradNormMonitor(), recovery])  # doctest: +SKIP
+    >>> module = PretrainModule(GPTConfig(n_layer=2, n_embd=64))
+    >>> trainer.fit(module, TextDataModule(seq_len=64))  # doctest: +SKIP
+    >>> recovery.skipped_steps, recovery.rollbacks  # doctest: +SKIP
+    (0, 0)
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import math
+import random
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import numpy as np
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_info
+from torch.optim import Optimizer
+
+from lightning_train.alerts import send_alert
+from lightning_train.callbacks._snapshot import HostSnapshot
+from lightning_train.callbacks.grad_norm import GradNormMonitor, log_metrics
+from lightning_train.errors import UserInputError
+from lightning_train.plugins.precision import (
+    AmpPrecision,
+    hold_lr_schedulers_on_skipped_steps,
+    loss_scale_tensor,
+    skip_optimizer_step,
+)
+
+FORENSICS_FILE = "nan_recovery_forensics.json"
+_HISTORY = 64  # bad steps, recent steps and events kept for the forensic report
+
+
+class TrainingAborted(Exception):
+    """NaNRecovery gave up. ``checkpoint`` holds the last good state, ``forensics`` the report."""
+
+    def __init__(self, message: str, checkpoint: Path, forensics: Path) -> None:
+        super().__init__(message)
+        self.checkpoint, self.forensics = checkpoint, forensics
+
+
+class NaNRecovery(Callback):
+    """Detects non-finite and spiking steps and escalates: skip → roll back and skip data → abort.
+
+    Put it after ``GradNormMonitor`` (it then reuses that step's total norm and logs per-group norms
+    of bad steps) and ``LossScaleMonitor`` in the callback list.
+
+    Args:
+        spike_threshold: z-score above which a loss is a spike; ``inf`` turns spike detection off.
+        window: accepted steps in the rolling mean/std (non-finite and spiking values never enter).
+        min_window: accepted steps needed before spikes are judged.
+        grad_norm_spikes: also treat gradient-norm spikes as bad steps.
+        max_consecutive_skips: roll back after this many skipped steps in a row ...
+        max_skips_in_window: ... or after this many within the last ``skip_window`` steps.
+        skip_window: see ``max_skips_in_window``.
+        snapshot_every: optimizer steps between host-memory snapshots (also one at the start).
+        skip_batches: batches after a rollback that are not trained on (whole optimizer steps: with
+            gradient accumulation, rounded up to full steps).
+        lr_scale: LR factor for the ``lr_scale_steps`` trained steps after a rollback's data skip.
+        lr_scale_steps: see ``lr_scale``; 0 leaves the LR alone.
+        max_rollbacks: abort when one more rollback would be needed.
+    """
+
+    def __init__(
+        self,
+        spike_threshold: float = 6.0,
+        window: int = 128,
+        min_window: int = 32,
+        grad_norm_spikes: bool = False,
+        max_consecutive_skips: int = 5,
+        max_skips_in_window: int = 10,
+        skip_window: int = 100,
+        snapshot_every: int = 100,
+        skip_batches: int = 200,
+        lr_scale: float = 1.0,
+        lr_scale_steps: int = 0,
+        max_rollbacks: int = 3,
+    ) -> None:
+        checks = {
+            "spike_threshold": spike_threshold > 0, "window": window >= 2,
+            "min_window": 2 <= min_window <= window, "max_consecutive_skips": max_consecutive_skips >= 1,
+            "max_skips_in_window": max_skips_in_window >= 1, "skip_window": skip_window >= 1,
+            "snapshot_every": snapshot_every >= 1, "skip_batches": skip_batches >= 0,
+            "lr_scale": 0 < lr_scale <= 1, "lr_scale_steps": lr_scale_steps >= 0,
+            "max_rollbacks": max_rollbacks >= 0,
+        }
+        for name, ok in checks.items():
+            if not ok:
+                raise UserInputError(
+                    f"NaNRecovery {name}={locals()[name]!r} is out of range: spike_threshold > 0, "
+                    "2 <= min_window <= window, 0 < lr_scale <= 1, counts >= 1 (skip_batches, "
+                    "lr_scale_steps, max_rollbacks >= 0)"
+                )
+        self.spike_threshold, self.window, self.min_window = spike_threshold, window, min_window
+        self.grad_norm_spikes = grad_norm_spikes
+        self.max_consecutive_skips, self.max_skips_in_window = max_consecutive_skips, max_skips_in_window
+        self.skip_window, self.snapshot_every, self.skip_batches = skip_window, snapshot_every, skip_batches
+        self.lr_scale, self.lr_scale_steps, self.max_rollbacks = lr_scale, lr_scale_steps, max_rollbacks
+        # ---- state (all of it in state_dict) ----
+        self.skipped_steps = self.spikes = self.rollbacks = 0
+        self.skipped_data: list[list[int]] = []  # [first, end) steps whose batches are not trained on
+        self._losses: deque[float] = deque(maxlen=window)
+        self._norms: deque[float] = deque(maxlen=window)
+        self._consecutive = 0
+        self._recent_skips: deque[int] = deque()
+        self._lr_scaled = (0, 0)  # [first, end) steps trained with lr * lr_scale
+        self._bad_steps: deque[dict[str, Any]] = deque(maxlen=_HISTORY)
+        self._recent: deque[list[float]] = deque(maxlen=_HISTORY)  # [step, loss, grad_norm]
+        self._events: deque[dict[str, Any]] = deque(maxlen=_HISTORY)
+        # ---- per-run, not state ----
+        self.snapshot = HostSnapshot()
+        self._norm_source: GradNormMonitor | None = None
+        self._reuse_norm = False
+        self._step_loss: torch.Tensor | None = None
+        self._escalate = False
+        self._trained_since_snapshot = False  # a snapshot of an unchanged state would only relabel it
+        self._saved_lrs: tuple[Optimizer, list[Any], Any] | None = None
+
+    # ---- Lightning hooks ------------------------------------------------------------------------
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        fused = any(getattr(opt, "_step_supports_amp_scaling", False) for opt in trainer.optimizers)
+        ours = isinstance(trainer.precision_plugin, AmpPrecision)
+        if scaler is not None and scaler.is_enabled() and fused and not ours:
+            raise UserInputError(
+                "NaNRecovery cannot skip steps of a fused optimizer under Lightning's 16-mixed "
+                "MixedPrecision (its gradients are still scaled in on_before_optimizer_step); use "
+                "plugins=[lightning_train.plugins.AmpPrecision('16-mixed', device)] or a non-fused optimizer"
+            )
+        hold_lr_schedulers_on_skipped_steps(trainer)
+        monitors = [c for c in trainer.callbacks if isinstance(c, GradNormMonitor)]
+        self._norm_source = monitors[0] if monitors else GradNormMonitor(groups=1)
+        # The monitor's last_total_norm is this step's only if it runs first in on_before_optimizer_step.
+        order = trainer.callbacks.index
+        self._reuse_norm = bool(monitors) and order(monitors[0]) < order(self)
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._take_snapshot(trainer, pl_module)  # the starting (or resumed) state is the first good one
+
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        step = trainer.global_step
+        if step % self.snapshot_every == 0 and self._trained_since_snapshot and self._healthy(step):
+            self._take_snapshot(trainer, pl_module)
+
+    def on_before_backward(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, loss: torch.Tensor
+    ) -> None:
+        loss = loss.detach().float()
+        scale = loss_scale_tensor(trainer)
+        if scale is not None:  # the GradScaler has already multiplied the loss
+            loss = loss / scale
+        # With gradient accumulation Lightning has divided each loss by the number of batches: sum = mean.
+        self._step_loss = loss if self._step_loss is None else self._step_loss + loss
+
+    def on_before_optimizer_step(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Optimizer
+    ) -> None:
+        step, loss, self._step_loss = trainer.global_step, self._step_loss, None
+        if self._in_skipped_data(step):
+            skip_optimizer_step(trainer, optimizer)
+            return
+        if loss is None:  # no backward this step (training_step returned None)
+            return
+        norm = self._norm_source.last_total_norm if self._reuse_norm else None
+        if norm is None:
+            norm = self._norm_source.measure(pl_module)["total"]
+        overflow = _found_inf(trainer, optimizer, loss)
+        stats = torch.stack([loss.reshape(()), norm.float().to(loss.device), overflow])
+        # One all-reduce (mean over ranks: a non-finite value anywhere stays non-finite) and one host read.
+        loss_value, norm_value, overflow = trainer.strategy.reduce(stats, reduce_op="mean").tolist()
+        self._recent.append([step, loss_value, norm_value])
+        if overflow > 0 and math.isfinite(loss_value):
+            return  # the GradScaler's own overflow: it skips, backs off and is counted by LossScaleMonitor
+        reason = self._judge(loss_value, norm_value)
+        if reason is None:
+            self._consecutive = 0
+            self._trained_since_snapshot = True
+            self._losses.append(loss_value)
+            self._norms.append(norm_value)
+            self._maybe_scale_lr(step, optimizer)
+        else:
+            self._skip(trainer, pl_module, optimizer, reason, loss_value, norm_value)
+
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        self._restore_lrs()  # if the step did not run, the post-step hook did not restore them
+        if self._escalate:
+            self._escalate = False
+            if self.rollbacks >= self.max_rollbacks:
+                self._abort(trainer, pl_module)
+            self._rollback(trainer, pl_module)
+        elif trainer.global_step % trainer.log_every_n_steps == 0:
+            self._log(trainer)
+
+    # ---- the ladder -----------------------------------------------------------------------------
+    def _judge(self, loss: float, norm: float) -> str | None:
+        if not math.isfinite(loss):
+            return f"non-finite loss ({loss})"
+        if not math.isfinite(norm):
+            return f"non-finite gradient norm ({norm})"
+        z = _z_score(loss, self._losses, self.min_window)
+        if z > self.spike_threshold:
+            return f"loss spike ({loss:.4g}, z={z:.1f})"
+        z = _z_score(norm, self._norms, self.min_window) if self.grad_norm_spikes else 0.0
+        if z > self.spike_threshold:
+            return f"gradient-norm spike ({norm:.4g}, z={z:.1f})"
+        return None
+
+    def _skip(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Optimizer, reason: str,
+        loss: float, norm: float,
+    ) -> None:
+        step = trainer.global_step
+        norms = self._norm_source.measure(pl_module)  # bad steps only: per-group norms for the report
+        group_norms = dict(zip(norms, torch.stack(list(norms.values())).tolist(), strict=True))
+        skip_optimizer_step(trainer, optimizer)
+        self.skipped_steps += 1
+        self.spikes += "spike" in reason
+        self._consecutive += 1
+        self._recent_skips.append(step)
+        while self._recent_skips[0] <= step - self.skip_window:
+            self._recent_skips.popleft()
+        self._bad_steps.append({"step": step, "batch_idx": trainer.fit_loop.total_batch_idx, "reason": reason,
+                                "loss": loss, "grad_norm": norm, "grad_norm_per_group": group_norms})
+        self._event(step, "skip", reason)
+        send_alert(trainer, "NaNRecovery skipped a step", f"step {step}: {reason}; parameters, optimizer, "
+                   f"LR schedule and loss scale left unchanged ({self.skipped_steps} skipped so far)")
+        self._escalate = (self._consecutive >= self.max_consecutive_skips
+                          or len(self._recent_skips) >= self.max_skips_in_window)
+        self._log(trainer)
+
+    def _rollback(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        step = trainer.global_step  # already counts the step that triggered the rollback
+        self.snapshot.restore(trainer, pl_module)
+        self._trained_since_snapshot = False
+        self.rollbacks += 1
+        self._consecutive = 0
+        self._recent_skips.clear()
+        accumulate = trainer.accumulate_grad_batches
+        end = step + math.ceil(self.skip_batches / accumulate)
+        if end > step:
+            self.skipped_data.append([step, end])
+        self._lr_scaled = (end, end + self.lr_scale_steps)
+        snapshot_step = self.snapshot.step
+        detail = f"restored the snapshot of step {snapshot_step}; batches of steps {step}..{end - 1} skipped"
+        if self.lr_scale_steps and self.lr_scale != 1:
+            detail += f"; LR x{self.lr_scale} for {self.lr_scale_steps} steps"
+        self._event(step, "rollback", detail)
+        title = f"NaNRecovery rolled back ({self.rollbacks}/{self.max_rollbacks})"
+        send_alert(trainer, title, detail, "ERROR")
+        self._log(trainer)
+
+    def _abort(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        step = trainer.global_step
+        self.snapshot.restore(trainer, pl_module)
+        reason = (f"{self.max_rollbacks} rollbacks did not stop the bad steps "
+                  f"(last: {self._bad_steps[-1]['reason'] if self._bad_steps else 'n/a'})")
+        self._event(step, "abort", f"{reason}; saved the snapshot of step {self.snapshot.step}")
+        dirpath = getattr(trainer.checkpoint_callback, "dirpath", None)
+        folder = Path(dirpath or Path(trainer.default_root_dir, "checkpoints"))
+        checkpoint = folder / f"nan-recovery-abort-step={step}.ckpt"
+        forensics = Path(trainer.log_dir or trainer.default_root_dir) / FORENSICS_FILE
+        trainer.save_checkpoint(checkpoint)  # every rank (collective for sharded strategies)
+        if trainer.is_global_zero:
+            forensics.parent.mkdir(parents=True, exist_ok=True)
+            report = _json_safe(self._forensics(trainer, reason, checkpoint))
+            forensics.write_text(json.dumps(report, indent=2))
+        send_alert(trainer, "NaNRecovery aborted training", f"{reason}; checkpoint {checkpoint}, "
+                   f"forensics {forensics}", "ERROR")
+        raise TrainingAborted(
+            f"training aborted at step {step}: {reason}; last good state (step {self.snapshot.step}) "
+            f"saved to {checkpoint}, forensics in {forensics}", checkpoint, forensics,
+        )
+
+    # ---- helpers --------------------------------------------------------------------------------
+    def _healthy(self, step: int) -> bool:
+        return self._consecutive == 0 and not self._escalate and not self._in_skipped_data(step)
+
+    def _in_skipped_data(self, step: int) -> bool:
+        return any(first <= step < end for first, end in self.skipped_data)
+
+    def _take_snapshot(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        first = self.snapshot.step is None
+        self.snapshot.take(trainer, pl_module)
+        self._trained_since_snapshot = False
+        if first:
+            size = self.snapshot.nbytes / 2**20
+            rank_zero_info(f"NaNRecovery: snapshots take {size:.1f} MiB of host memory per rank")
+
+    def _maybe_scale_lr(self, step: int, optimizer: Optimizer) -> None:
+        first, end = self._lr_scaled
+        if not first <= step < end or self.lr_scale == 1:
+            return
+        saved = [group["lr"] for group in optimizer.param_groups]
+        for group in optimizer.param_groups:
+            group["lr"] = group["lr"] * self.lr_scale  # a new object: the saved value stays intact
+        hook = optimizer.register_step_post_hook(lambda *_: self._restore_lrs())
+        self._saved_lrs = (optimizer, saved, hook)
+
+    def _restore_lrs(self) -> None:
+        """Put the scheduled LRs back right after the step, before the scheduler computes the next ones."""
+        if self._saved_lrs is None:
+            return
+        optimizer, saved, hook = self._saved_lrs
+        for group, lr in zip(optimizer.param_groups, saved, strict=True):
+            group["lr"] = lr
+        hook.remove()
+        self._saved_lrs = None
+
+    def _event(self, step: int, action: str, detail: str) -> None:
+        self._events.append({"step": step, "action": action, "detail": detail})
+
+    def _log(self, trainer: L.Trainer) -> None:
+        skipped_steps_of_data = sum(end - first for first, end in self.skipped_data)
+        log_metrics(trainer, {
+            "recovery/skipped_steps": self.skipped_steps, "recovery/spikes": self.spikes,
+            "recovery/rollbacks": self.rollbacks,
+            "recovery/skipped_batches": skipped_steps_of_data * trainer.accumulate_grad_batches,
+        })
+
+    def _forensics(self, trainer: L.Trainer, reason: str, checkpoint: Path) -> dict[str, Any]:
+        return {
+            "step": trainer.global_step, "reason": reason, "checkpoint": str(checkpoint),
+            "snapshot_step": self.snapshot.step, "skipped_steps": self.skipped_steps, "spikes": self.spikes,
+            "rollbacks": self.rollbacks, "bad_steps": list(self._bad_steps),
+            "recent_steps": [{"step": s, "loss": loss, "grad_norm": norm} for s, loss, norm in self._recent],
+            "skipped_data": self.skipped_data, "tried": list(self._events), "rng": _rng_states(),
+            "settings": {k: getattr(self, k) for k in (
+                "spike_threshold", "window", "min_window", "grad_norm_spikes", "max_consecutive_skips",
+                "max_skips_in_window", "skip_window", "snapshot_every", "skip_batches", "lr_scale",
+                "lr_scale_steps", "max_rollbacks")},
+        }
+
+    # ---- checkpointing --------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "skipped_steps": self.skipped_steps, "spikes": self.spikes, "rollbacks": self.rollbacks,
+            "skipped_data": self.skipped_data, "losses": list(self._losses), "norms": list(self._norms),
+            "consecutive": self._consecutive, "recent_skips": list(self._recent_skips),
+            "lr_scaled": list(self._lr_scaled), "bad_steps": list(self._bad_steps),
+            "recent": list(self._recent), "events": list(self._events), "snapshot_step": self.snapshot.step,
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.skipped_steps, self.spikes = state_dict["skipped_steps"], state_dict["spikes"]
+        self.rollbacks = state_dict["rollbacks"]
+        self.skipped_data = [list(r) for r in state_dict["skipped_data"]]
+        self._losses.extend(state_dict["losses"])
+        self._norms.extend(state_dict["norms"])
+        self._consecutive = state_dict["consecutive"]
+        self._recent_skips.extend(state_dict["recent_skips"])
+        self._lr_scaled = tuple(state_dict["lr_scaled"])
+        self._bad_steps.extend(state_dict["bad_steps"])
+        self._recent.extend(state_dict["recent"])
+        self._events.extend(state_dict["events"])
+        # The host snapshot itself is not in checkpoints: on resume the restored state is the first one.
+
+
+def _z_score(value: float, window: deque[float], min_window: int) -> float:
+    if len(window) < min_window:
+        return 0.0
+    mean = sum(window) / len(window)
+    std = math.sqrt(sum((x - mean) ** 2 for x in window) / len(window))
+    return (value - mean) / max(std, 1e-3 * abs(mean), 1e-12)  # a floor, so a flat window does not flag noise
+
+
+def _found_inf(trainer: L.Trainer, optimizer: Optimizer, like: torch.Tensor) -> torch.Tensor:
+    """1.0 if the GradScaler has already found inf/NaN in this step's (scaled) gradients, else 0.0."""
+    scaler = getattr(trainer.precision_plugin, "scaler", None)
+    state = getattr(scaler, "_per_optimizer_states", {}).get(id(optimizer)) if scaler is not None else None
+    found = list(state["found_inf_per_device"].values()) if state else []
+    if not found:
+        return torch.zeros((), device=like.device)
+    return (sum(t.to(like.device) for t in found) > 0).float()
+
+
+def _json_safe(value: Any) -> Any:
+    """Non-finite floats as the strings "nan"/"inf"/"-inf" (strict JSON has no NaN)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_json_safe(v) for v in value]
+    return value
+
+
+def _rng_states() -> dict[str, Any]:
+    """The RNG states of this process (rank zero), to replay the failing steps."""
+    def encode(state: torch.Tensor) -> str:
+        return base64.b64encode(state.numpy().tobytes()).decode()
+
+    numpy_state = np.random.get_state()
+    return {
+        "python": list(random.getstate()[1]),
+        "numpy": numpy_state[1].tolist(), "numpy_pos": int(numpy_state[2]),
+        "torch": encode(torch.get_rng_state()),
+        "torch_cuda": [encode(s) for s in torch.cuda.get_rng_state_all()] if torch.cuda.is_available()
+        else [],
+    }

@@ -1,0 +1,84 @@
+"""RNGStateKeeper: put the random number generator states of every rank into checkpoints, so a resumed
+run draws the same dropout masks and random numbers as the run that was interrupted.
+
+Lightning's checkpoints carry no RNG state, and only rank zero writes the checkpoint; this callback
+gathers the states of all ranks (torch CPU, CUDA when present, numpy, Python's ``random``) into the
+checkpoint and gives each rank its own back when training restarts. The states are stored as tensors
+and plain lists, so the checkpoint still loads with ``torch.load(weights_only=True)``.
+
+    >>> import lightning as L
+    >>> from lightning_train.callbacks import RNGStateKeeper
+    >>> trainer = L.Trainer(callbacks=[RNGStateKeeper()], max_steps=10)  # doctest: +SKIP
+    >>> trainer.fit(module, datamodule, ckpt_path="runs/x/checkpoints/last.ckpt")  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import lightning as L
+import numpy as np
+import torch
+import torch.distributed as dist
+from lightning.pytorch.utilities import rank_zero_warn
+
+
+class RNGStateKeeper(L.Callback):
+    """Saves every rank's RNG states in each checkpoint and restores them when training starts from one.
+
+    The states are captured when the checkpoint is written (the end of a training step) and restored at
+    ``on_train_start``, after the data loaders were rebuilt, so the next training step sees exactly the
+    random numbers the uninterrupted run saw. Resuming with another number of ranks keeps the fresh
+    seeds (with a warning): exact continuation is impossible then anyway.
+    """
+
+    def __init__(self) -> None:
+        self._to_restore: dict[str, Any] | None = None
+
+    def state_dict(self) -> dict[str, Any]:
+        local = _collect()
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            # every rank writes the checkpoint dict; all of them take part so rank zero gets all states
+            per_rank: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(per_rank, local)
+        else:
+            per_rank = [local]
+        return {"per_rank": per_rank}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        per_rank = state_dict["per_rank"]
+        world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        if len(per_rank) != world_size:
+            rank_zero_warn(
+                f"the checkpoint holds RNG states of {len(per_rank)} ranks but this run has {world_size}; "
+                "keeping fresh seeds (the resumed run will not repeat the interrupted one exactly)"
+            )
+            return
+        self._to_restore = per_rank[dist.get_rank() if world_size > 1 else 0]
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._to_restore is not None:
+            _restore(self._to_restore)
+            self._to_restore = None
+
+
+def _collect() -> dict[str, Any]:
+    kind, keys, pos, has_gauss, cached_gaussian = np.random.get_state()
+    version, python_state, gauss = random.getstate()
+    return {
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached_gaussian],
+        "python": [version, list(python_state), gauss],
+    }
+
+
+def _restore(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    kind, keys, pos, has_gauss, cached_gaussian = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached_gaussian))
+    version, python_state, gauss = state["python"]
+    random.setstate((version, tuple(python_state), gauss))

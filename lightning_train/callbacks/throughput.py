@@ -1,0 +1,179 @@
+"""ThroughputMonitor: tokens per second, step time and model FLOPs utilisation (MFU).
+
+Averages over each logging interval: the wall clock is read (after synchronising the device)
+only on logging steps, and tokens are counted from the batch's shape, so non-logging steps cost
+a few integer additions and never wait for the device. Lightning's own ``ThroughputMonitor``
+synchronises the device on every batch, hence this small one.
+
+    >>> import lightning as L
+    >>> from lightning_train import GPTConfig, PretrainModule, TextDataModule
+    >>> from lightning_train.callbacks import ThroughputMonitor
+    >>> trainer = L.Trainer(max_steps=20, callbacks=[ThroughputMonitor()])  # doctest: +SKIP
+    >>> module, data = PretrainModule(GPTConfig(n_layer=2, n_embd=64)), TextDataModule(seq_len=64)
+    >>> trainer.fit(module, data)  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities import rank_zero_warn
+
+from lightning_train.callbacks.grad_norm import log_metrics
+from lightning_train.errors import UserInputError
+
+# Dense (no sparsity) peak FLOP/s per device from the vendors' datasheets, by compute dtype; "tf32" is
+# fp32 matmuls on tensor cores. Matched against torch.cuda.get_device_name(), first match wins.
+PEAK_FLOPS: list[tuple[str, dict[str, float]]] = [
+    (r"h200 nvl|h100 nvl", {"bf16": 835.5e12, "fp16": 835.5e12, "tf32": 417.5e12, "fp32": 60e12}),
+    (r"h200|h100.*(sxm|hbm3)", {"bf16": 989.4e12, "fp16": 989.4e12, "tf32": 494.7e12, "fp32": 66.9e12}),
+    (r"h100", {"bf16": 756e12, "fp16": 756e12, "tf32": 378e12, "fp32": 51.2e12}),  # PCIe
+    (r"a100", {"bf16": 312e12, "fp16": 312e12, "tf32": 156e12, "fp32": 19.5e12}),
+    (r"l40s", {"bf16": 362e12, "fp16": 362e12, "tf32": 183e12, "fp32": 91.6e12}),
+    (r"\bl4\b", {"bf16": 121e12, "fp16": 121e12, "tf32": 60e12, "fp32": 30.3e12}),
+    (r"\ba10\b", {"bf16": 125e12, "fp16": 125e12, "tf32": 62.5e12, "fp32": 31.2e12}),
+    (r"v100", {"fp16": 125e12, "fp32": 15.7e12}),
+    (r"\bt4\b", {"fp16": 65e12, "fp32": 8.1e12}),
+]
+
+
+class ThroughputMonitor(Callback):
+    """Logs ``perf/tokens_per_sec`` (also in the progress bar), ``perf/step_time`` (seconds per
+    optimizer step) and ``perf/mfu``, each the average over the steps since the previous log.
+
+    Counted: everything between two logging steps (data loading, forward, backward, optimizer,
+    logging, checkpointing) except validation, whose time is subtracted. Tokens are the number of
+    positions in the batch (``batch[token_key].numel()``, padding included, as the model computes
+    on them) times the world size, i.e. every rank is assumed to get batches of the same shape.
+
+    MFU is model FLOPs (``flops_per_token(seq_len)`` of the LightningModule or its ``.model``, e.g.
+    ``GPT``: 6 per weight plus attention) per second over the peak of all devices: ``peak_flops``
+    per device if given, else the datasheet value of the GPU and the Trainer's precision. It is not
+    logged when either is unknown (e.g. on CPU without ``peak_flops``).
+
+    Args:
+        log_every_n_steps: optimizer steps between logs; None: the Trainer's ``log_every_n_steps``.
+        peak_flops: peak FLOP/s of one device in the training precision.
+        token_key: key of the token ids in dict batches; tensor batches and the first element of
+            tuple/list batches count as they are.
+    """
+
+    def __init__(
+        self,
+        log_every_n_steps: int | None = None,
+        peak_flops: float | None = None,
+        token_key: str = "input_ids",
+    ) -> None:
+        if log_every_n_steps is not None and log_every_n_steps < 1:
+            raise UserInputError(f"ThroughputMonitor log_every_n_steps={log_every_n_steps}: use an int >= 1")
+        if peak_flops is not None and not peak_flops > 0:
+            raise UserInputError(f"ThroughputMonitor peak_flops={peak_flops}: give one device's peak FLOP/s")
+        self.log_every_n_steps, self.peak_flops, self.token_key = log_every_n_steps, peak_flops, token_key
+        self._flops_per_token: Callable[[int], float] | None = None
+        self._total_peak: float | None = None  # peak FLOP/s of all devices together
+        self._start = 0.0  # perf_counter at the start of the interval
+        self._start_step = 0
+        self._excluded = 0.0  # validation seconds inside the interval
+        self._validation_start: float | None = None
+        self._tokens = 0
+        self._flops = 0.0
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        model = getattr(pl_module, "model", None)
+        flops_fn = getattr(pl_module, "flops_per_token", None) or getattr(model, "flops_per_token", None)
+        self._flops_per_token = flops_fn if callable(flops_fn) else None
+        peak = self.peak_flops or _device_peak_flops(trainer.strategy.root_device, str(trainer.precision))
+        self._total_peak = peak * trainer.world_size if peak else None
+        self._restart_interval(trainer)
+
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        tokens = self._token_ids(batch)
+        self._tokens += tokens.numel() * trainer.world_size  # shapes live on the host: no device read
+        if self._flops_per_token is not None:
+            self._flops += tokens.numel() * trainer.world_size * self._flops_per_token(tokens.shape[-1])
+
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        steps = trainer.global_step - self._start_step
+        interval = self.log_every_n_steps or trainer.log_every_n_steps
+        if steps == 0 or trainer.global_step % interval != 0:
+            return
+        _synchronize(trainer.strategy.root_device)
+        seconds = time.perf_counter() - self._start - self._excluded
+        metrics = {"perf/tokens_per_sec": self._tokens / seconds, "perf/step_time": seconds / steps}
+        if self._flops_per_token is not None and self._total_peak is not None:
+            metrics["perf/mfu"] = self._flops / seconds / self._total_peak
+        log_metrics(trainer, metrics)
+        # A CPU tensor: the progress bar reads it every batch, which must not touch the device.
+        tokens_per_sec = torch.tensor(metrics["perf/tokens_per_sec"])
+        pl_module.log("perf/tokens_per_sec", tokens_per_sec, prog_bar=True, logger=False)
+        self._restart_interval(trainer)
+
+    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.state.fn != TrainerFn.FITTING or trainer.sanity_checking:  # only validation inside fit
+            return
+        _synchronize(trainer.strategy.root_device)  # the queued training work belongs to training time
+        self._validation_start = time.perf_counter()
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._validation_start is None:
+            return
+        _synchronize(trainer.strategy.root_device)
+        self._excluded += time.perf_counter() - self._validation_start
+        self._validation_start = None
+
+    def _restart_interval(self, trainer: L.Trainer) -> None:
+        _synchronize(trainer.strategy.root_device)
+        self._start, self._start_step = time.perf_counter(), trainer.global_step
+        self._excluded, self._tokens, self._flops = 0.0, 0, 0.0
+
+    def _token_ids(self, batch: Any) -> torch.Tensor:
+        if isinstance(batch, dict):
+            if self.token_key not in batch:
+                raise UserInputError(f"ThroughputMonitor token_key={self.token_key!r} is not in the batch "
+                                     f"(keys: {sorted(batch)}); set token_key to the key of the token ids")
+            return batch[self.token_key]
+        return batch[0] if isinstance(batch, (list, tuple)) else batch
+
+
+def datasheet_peak_flops(device_name: str, precision: str) -> float | None:
+    """Peak FLOP/s of one GPU named ``device_name`` (``torch.cuda.get_device_name()``) in the Trainer's
+    ``precision`` ("bf16-mixed", "16-mixed", "32-true", ...), from ``PEAK_FLOPS``; None when unknown."""
+    if precision.startswith("bf16"):
+        dtype = "bf16"
+    elif precision.startswith("16"):
+        dtype = "fp16"
+    elif precision.startswith("32"):
+        dtype = "fp32" if torch.get_float32_matmul_precision() == "highest" else "tf32"
+    else:
+        return None
+    table = next((flops for pattern, flops in PEAK_FLOPS if re.search(pattern, device_name.lower())), None)
+    if table is not None and dtype == "tf32" and dtype not in table:  # no tensor-core fp32 (pre-Ampere)
+        dtype = "fp32"
+    return table.get(dtype) if table is not None else None
+
+
+def _device_peak_flops(device: torch.device, precision: str) -> float | None:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    peak = datasheet_peak_flops(name, precision)
+    if peak is None:
+        rank_zero_warn(f"ThroughputMonitor knows no peak FLOP/s of {name!r} in precision {precision!r}, so "
+                       "perf/mfu is not logged; pass peak_flops=<FLOP/s of one device> to get it.")
+    return peak
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type != "cpu":
+        torch.accelerator.synchronize(device)

@@ -1,0 +1,273 @@
+"""``SFTDataModule``: supervised fine-tuning on prompt/response or chat JSONL, loss on responses only.
+
+Each line of a JSONL file is one example, either ``{"prompt": str, "response": str}`` or
+``{"messages": [{"role": "system"|"user"|"assistant", "content": str}, ...]}``. An example becomes
+``prompt tokens + response tokens + eos``; the labels are the next tokens, with -100 wherever the next
+token belongs to a prompt, so only response tokens (and the eos that ends them) carry loss.
+
+Chats use this template (plain text, so it works with the byte tokenizer and any other)::
+
+    <|system|>\\n{content}\\n<|user|>\\n{content}\\n<|assistant|>\\n{content}<eos>...
+
+where each assistant turn's content and eos are the response (trained), everything else prompt.
+
+Batches are padded on the right to the longest example with the tokenizer's pad id (labels -100).
+Right padding needs no attention mask: a causal model never attends to later positions. Packing
+several examples into one row is not offered, since our GPT has no document mask to keep packed
+examples from attending to each other. The train loader is a ``StatefulDataLoader`` with the same
+resumable sampler as ``TextDataModule``, so a resumed run continues with the next unseen example.
+
+    >>> data = SFTDataModule("train.jsonl", "val.jsonl", tokenizer="byte", seq_len=256)  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.utilities import rank_zero_warn
+from torch.utils.data import DataLoader, Dataset
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+from lightning_train.data.tasks import default_task_dir
+from lightning_train.data.text import WindowSampler
+from lightning_train.data.tokenizers import Tokenizer, load_tokenizer
+from lightning_train.errors import UserInputError
+
+ROLES = ("system", "user", "assistant")
+Segments = list[tuple[str, bool]]  # (text, is_response)
+
+
+def chat_segments(messages: list[dict[str, str]]) -> Segments:
+    """The documented chat template as (text, is_response) pieces; eos follows each response."""
+    segments: Segments = []
+    for message in messages:
+        segments.append((f"<|{message['role']}|>\n", False))
+        segments.append((message["content"], message["role"] == "assistant"))
+        if message["role"] != "assistant":
+            segments.append(("\n", False))
+    return segments
+
+
+def read_examples(path: str | Path) -> list[Segments]:
+    """The examples of a JSONL file as segments; a malformed line is an error naming file and line."""
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise UserInputError(f"SFT data file {str(path)!r} does not exist; pass a JSONL file")
+    examples = []
+    with path.open(encoding="utf-8") as lines:
+        for number, line in enumerate(lines, start=1):
+            if line.strip():
+                examples.append(_parse(line, f"{path}:{number}"))
+    if not examples:
+        raise UserInputError(f"SFT data file {str(path)!r} holds no examples")
+    return examples
+
+
+def _parse(line: str, where: str) -> Segments:
+    try:
+        row = json.loads(line)
+    except ValueError as err:
+        raise UserInputError(f"{where}: not valid JSON ({err})") from err
+    if isinstance(row, dict) and isinstance(row.get("prompt"), str) and isinstance(row.get("response"), str):
+        return [(row["prompt"], False), (row["response"], True)]
+    messages = row.get("messages") if isinstance(row, dict) else None
+    if isinstance(messages, list) and messages:
+        well_formed = all(
+            isinstance(m, dict) and m.get("role") in ROLES and isinstance(m.get("content"), str)
+            for m in messages
+        )
+        if not well_formed:
+            raise UserInputError(
+                f'{where}: every message needs a "role" in {list(ROLES)} and a string "content"'
+            )
+        if messages[-1]["role"] != "assistant":
+            raise UserInputError(f"{where}: the last message must be the assistant's (it is what is trained)")
+        return chat_segments(messages)
+    raise UserInputError(
+        f'{where}: expected {{"prompt": str, "response": str}} or {{"messages": [...]}}, '
+        f"got keys {sorted(row) if isinstance(row, dict) else type(row).__name__}"
+    )
+
+
+def tokenize(segments: Segments, tokenizer: Tokenizer) -> tuple[list[int], list[bool], list[int], list[int]]:
+    """Tokens of an example, which of them are trained (responses and their eos), and the prompt and
+    response (without eos) of its last response, for exact-match evaluation."""
+    tokens: list[int] = []
+    trained: list[bool] = []
+    prompt: list[int] = []
+    response: list[int] = []
+    for text, is_response in segments:
+        ids = tokenizer.encode(text)
+        if is_response:
+            prompt, response = list(tokens), ids
+            ids = ids + [tokenizer.eos_id]
+        tokens += ids
+        trained += [is_response] * len(ids)
+    return tokens, trained, prompt, response
+
+
+class SFTExamples(Dataset):
+    """Tokenized examples, each ``{"input_ids": [...], "labels": [...]}`` (unpadded), truncated to
+    ``seq_len``; ``prompts`` holds the (prompt, response) pairs that fit for generation."""
+
+    def __init__(self, examples: list[Segments], tokenizer: Tokenizer, seq_len: int) -> None:
+        self.rows: list[tuple[list[int], list[int]]] = []
+        self.prompts: list[tuple[list[int], list[int]]] = []
+        truncated = 0
+        for segments in examples:
+            tokens, trained, prompt, response = tokenize(segments, tokenizer)
+            if len(tokens) > seq_len + 1:
+                truncated += 1
+                tokens, trained = tokens[: seq_len + 1], trained[: seq_len + 1]
+            elif prompt:
+                self.prompts.append((prompt, response))
+            labels = [t if keep else -100 for t, keep in zip(tokens[1:], trained[1:], strict=True)]
+            if any(label != -100 for label in labels):
+                self.rows.append((tokens[:-1], labels))
+        if truncated:
+            rank_zero_warn(
+                f"{truncated} of {len(examples)} SFT examples are longer than seq_len={seq_len} and were "
+                "truncated (those left without response tokens are skipped); raise seq_len to keep them whole"
+            )
+        self.max_token_id = max(max(ids) for ids, _ in self.rows) if self.rows else 0
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> dict[str, list[int]]:
+        input_ids, labels = self.rows[i]
+        return {"input_ids": input_ids, "labels": labels}
+
+
+class PadCollate:
+    """Right-pads a list of examples to the longest one: ``pad_id`` inputs, -100 labels."""
+
+    def __init__(self, pad_id: int) -> None:
+        self.pad_id = pad_id
+
+    def __call__(self, batch: list[dict[str, list[int]]]) -> dict[str, torch.Tensor]:
+        width = max(len(example["input_ids"]) for example in batch)
+        input_ids = torch.full((len(batch), width), self.pad_id, dtype=torch.long)
+        labels = torch.full((len(batch), width), -100, dtype=torch.long)
+        for row, example in enumerate(batch):
+            n = len(example["input_ids"])
+            input_ids[row, :n] = torch.tensor(example["input_ids"])
+            labels[row, :n] = torch.tensor(example["labels"])
+        return {"input_ids": input_ids, "labels": labels}
+
+
+class SFTDataModule(L.LightningDataModule):
+    """Prompt/response or chat JSONL for fine-tuning (see the module docstring for the format).
+
+    Args:
+        train_file: the training JSONL; None: the generated default task (``data/tasks.py``).
+        val_file: the validation JSONL; None: hold out ``val_fraction`` of ``train_file``.
+        tokenizer: ``"byte"`` or a ``tokenizer.json`` path (or model folder); None: the model's (a
+            module's ``tokenizer_spec``, as FinetuneModule has), else ``"byte"``.
+        seq_len: longest example in tokens; longer ones are truncated (with a warning).
+        batch_size: examples per batch on each device.
+        val_fraction: share of ``train_file`` held out when there is no ``val_file``.
+        eval_prompts: held-out prompts whose greedy generations are scored by exact match.
+        seed: seeds the example order (epoch ``e`` uses the permutation for ``(seed, e)``) and the split.
+        num_workers: data-loading processes per device.
+    """
+
+    def __init__(
+        self,
+        train_file: str | None = None,
+        val_file: str | None = None,
+        tokenizer: str | None = None,
+        seq_len: int = 256,
+        batch_size: int = 16,
+        val_fraction: float = 0.05,
+        eval_prompts: int = 64,
+        seed: int = 1234,
+        num_workers: int = 0,
+    ) -> None:
+        super().__init__()
+        if not 0 < val_fraction < 1:
+            raise UserInputError(f"val_fraction={val_fraction} must be between 0 and 1")
+        for name, value, least in (("seq_len", seq_len, 1), ("batch_size", batch_size, 1),
+                                   ("eval_prompts", eval_prompts, 0), ("num_workers", num_workers, 0)):
+            if value < least:
+                raise UserInputError(f"{name}={value} must be at least {least}")
+        self.save_hyperparameters()
+        self.seq_len, self.batch_size, self.seed, self.num_workers = seq_len, batch_size, seed, num_workers
+        self.tokenizer: Tokenizer | None = None
+        self.train_set: SFTExamples | None = None
+        self.val_set: SFTExamples | None = None
+
+    @property
+    def eos_id(self) -> int:
+        return self.tokenizer.eos_id
+
+    @property
+    def max_token_id(self) -> int:
+        return max(self.train_set.max_token_id, self.val_set.max_token_id, self.tokenizer.pad_id)
+
+    @property
+    def eval_examples(self) -> list[tuple[list[int], list[int]]]:
+        """Held-out (prompt ids, response ids) pairs for exact-match evaluation."""
+        return self.val_set.prompts[: self.hparams.eval_prompts]
+
+    def prepare_data(self) -> None:
+        if self.hparams.train_file is None:
+            default_task_dir()  # builds the default task once per node
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.train_set is not None:
+            return
+        self.tokenizer = load_tokenizer(self._tokenizer_spec())
+        train_file, val_file = self.hparams.train_file, self.hparams.val_file
+        if train_file is None:
+            folder = default_task_dir()
+            train_file, val_file = folder / "train.jsonl", folder / "val.jsonl"
+        train = read_examples(train_file)
+        if val_file is not None:
+            val = read_examples(val_file)
+        else:
+            order = torch.randperm(len(train), generator=torch.Generator().manual_seed(self.seed)).tolist()
+            held_out = set(order[: max(1, round(len(train) * self.hparams.val_fraction))])
+            val = [e for i, e in enumerate(train) if i in held_out]
+            train = [e for i, e in enumerate(train) if i not in held_out]
+        self.train_set = SFTExamples(train, self.tokenizer, self.seq_len)
+        self.val_set = SFTExamples(val, self.tokenizer, self.seq_len)
+
+    def _tokenizer_spec(self) -> str:
+        if self.hparams.tokenizer is not None:
+            return self.hparams.tokenizer
+        module = self.trainer.lightning_module if self.trainer is not None else None
+        return getattr(module, "tokenizer_spec", None) or "byte"
+
+    def train_dataloader(self) -> StatefulDataLoader:
+        rank, world_size = self._data_parallel_rank()
+        sampler = WindowSampler(self.train_set, world_size, rank, self.seed)
+        loader = StatefulDataLoader(
+            self.train_set, batch_size=self.batch_size, sampler=sampler, drop_last=True,
+            collate_fn=PadCollate(self.tokenizer.pad_id), **self._worker_kwargs(),
+        )
+        if len(loader) == 0:
+            raise UserInputError(
+                f"{len(self.train_set)} training examples are fewer than batch_size={self.batch_size} x "
+                f"{world_size} devices; lower batch_size or add examples"
+            )
+        return loader
+
+    def val_dataloader(self) -> DataLoader:
+        rank, world_size = self._data_parallel_rank()
+        sampler = WindowSampler(self.val_set, world_size, rank, self.seed, shuffle=False)
+        return DataLoader(
+            self.val_set, batch_size=self.batch_size, sampler=sampler,
+            collate_fn=PadCollate(self.tokenizer.pad_id), **self._worker_kwargs(),
+        )
+
+    def _worker_kwargs(self) -> dict[str, Any]:
+        return {"num_workers": self.num_workers, "persistent_workers": self.num_workers > 0}
+
+    def _data_parallel_rank(self) -> tuple[int, int]:
+        kwargs = self.trainer.distributed_sampler_kwargs if self.trainer is not None else None
+        return (kwargs["rank"], kwargs["num_replicas"]) if kwargs else (0, 1)

@@ -1,0 +1,96 @@
+"""LoRA adapters for our GPT through peft (no Lightning imports).
+
+peft's ``inject_adapter_in_model`` works on any ``nn.Module``: it swaps the targeted ``nn.Linear``
+layers for LoRA layers in place (the frozen weight moves to ``<name>.base_layer``; ``lora_A``/``lora_B``
+are added) and freezes everything else. The model stays our ``GPT``, so generation, FSDP wrapping
+and checkpointing work unchanged; ``merge_lora`` folds the adapters back into plain ``nn.Linear``s.
+
+    >>> from lightning_train.models.gpt import GPT, GPTConfig
+    >>> model = apply_lora(GPT(GPTConfig(n_layer=1, n_embd=32, n_head=2)), LoRAConfig(rank=4))
+    >>> sorted({n.split(".")[-3] for n, p in model.named_parameters() if p.requires_grad})
+    ['lora_A', 'lora_B']
+    >>> model = merge_lora(model)  # plain GPT again, adapters folded into the weights
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from lightning_train.errors import UserInputError
+
+ADAPTER = "default"
+
+
+@dataclass
+class LoRAConfig:
+    """Low-rank adapters ``W + (alpha / rank) * B @ A`` on the named linear layers.
+
+    Args:
+        rank: inner dimension of ``B @ A``.
+        alpha: scale numerator; the update is multiplied by ``alpha / rank``.
+        dropout: dropout on the adapter's input.
+        target_modules: names (last component) of the ``nn.Linear`` layers to adapt; our GPT's are
+            ``qkv`` and ``proj`` (attention), ``up`` and ``down`` (MLP).
+    """
+
+    rank: int = 8
+    alpha: float = 16.0
+    dropout: float = 0.0
+    target_modules: list[str] = field(default_factory=lambda: ["qkv", "proj", "up", "down"])
+
+
+def apply_lora(model: nn.Module, config: LoRAConfig) -> nn.Module:
+    """Inject LoRA layers into ``model`` in place and freeze every non-adapter parameter."""
+    from peft import LoraConfig
+    from peft.functional import inject_adapter_in_model
+
+    linears = [name for name, module in model.named_modules() if isinstance(module, nn.Linear)]
+    linear_names = sorted({name.rsplit(".", 1)[-1] for name in linears})
+    unknown = [t for t in config.target_modules if t not in linear_names]
+    if unknown or not config.target_modules:
+        raise UserInputError(
+            f"lora.target_modules={config.target_modules} names no linear layer of the model ({unknown}); "
+            f"pick from {linear_names}"
+        )
+    tied = getattr(getattr(model, "config", None), "tie_embeddings", False)
+    if "lm_head" in config.target_modules and tied:
+        raise UserInputError(
+            "lora.target_modules includes 'lm_head', whose weight is tied to the embedding; merging would "
+            "change the embedding too. Leave 'lm_head' out or use a model with tie_embeddings: false"
+        )
+    if config.rank < 1:
+        raise UserInputError(f"lora.rank={config.rank} must be at least 1")
+    peft_config = LoraConfig(
+        r=config.rank, lora_alpha=config.alpha, lora_dropout=config.dropout,
+        target_modules=list(config.target_modules),
+    )
+    return inject_adapter_in_model(peft_config, model, adapter_name=ADAPTER)
+
+
+def lora_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(name, layer) of every peft LoRA layer in ``model``."""
+    from peft.tuners.lora import LoraLayer
+
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, LoraLayer)]
+
+
+def reset_lora(model: nn.Module) -> None:
+    """Re-initialise the adapters (A random, B zero: the model starts unchanged); needed after a
+    strategy materialised a meta-device model with each module's generic ``reset_parameters``."""
+    for _, layer in lora_layers(model):
+        layer.reset_lora_parameters(ADAPTER, True)
+
+
+def merge_lora(model: nn.Module) -> nn.Module:
+    """Fold every adapter into its base weight and put the plain ``nn.Linear`` back (in place)."""
+    for name, layer in lora_layers(model):
+        layer.merge()
+        parent_name, _, child = name.rpartition(".")
+        base = layer.get_base_layer()
+        base.weight.requires_grad_(True)
+        if base.bias is not None:
+            base.bias.requires_grad_(True)
+        setattr(model.get_submodule(parent_name) if parent_name else model, child, base)
+    return model

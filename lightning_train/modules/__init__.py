@@ -1,0 +1,3 @@
+from lightning_train.modules.pretrain import PretrainModule
+
+__all__ = ["PretrainModule"]

@@ -1,0 +1,282 @@
+"""FinetuneModule: start from trained weights, then full, LoRA or partially frozen fine-tuning.
+
+``init_from`` is a Lightning ``.ckpt`` of this package, a ``.safetensors`` file (or folder) with its
+``config.json``, or a local Hugging Face GPT-2 / Llama folder; the config and tokenizer come from it.
+Batches are the pretraining ones (``{"input_ids", "labels"}``, label -100 ignored), e.g. from
+``SFTDataModule``, whose held-out prompts drive the ``val/exact_match`` metric.
+
+    >>> import lightning as L
+    >>> from lightning_train import FinetuneModule, SFTDataModule
+    >>> module = FinetuneModule("runs/pretrain-tiny/checkpoints/last.ckpt", lora=LoRAConfig(rank=8))
+    >>> L.Trainer(max_steps=200).fit(module, SFTDataModule())  # doctest: +SKIP
+    >>> module.export("runs/finetuned")  # merged weights: model.safetensors + config.json  # doctest: +SKIP
+
+Weights are loaded in ``configure_model``, right after the model is built, when the parameters are real
+tensors; a strategy that builds the model on the meta device (FSDP) materialises it during its
+``setup``, so there the full state dict is loaded afterwards, in ``on_fit_start`` (before Lightning
+restores a resumed checkpoint, which then wins), with ``set_model_state_dict``, which scatters it to
+the shards.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from torch import nn
+from torchmetrics import MeanMetric
+
+from lightning_train.errors import UserInputError
+from lightning_train.models.gpt import GPT, GPTConfig
+from lightning_train.models.lora import LoRAConfig, apply_lora, lora_layers, merge_lora, reset_lora
+from lightning_train.models.weights import check_keys, load_into, open_pretrained, save_safetensors
+from lightning_train.modules.pretrain import PretrainModule
+
+
+class FinetuneModule(PretrainModule):
+    """Fine-tunes a GPT loaded from ``init_from``.
+
+    Args:
+        init_from: the starting weights (see the module docstring); None trains ``config`` from scratch.
+        config: the model's shape; leave None to take it from ``init_from``.
+        tokenizer: ``"byte"`` or a ``tokenizer.json`` path; None: the source's (an SFTDataModule
+            without its own tokenizer uses this one).
+        lora: train low-rank adapters instead of the weights (see ``LoRAConfig``); None: full fine-tuning.
+        freeze_embeddings: keep the token (and position) embeddings fixed; a tied lm_head with them.
+        freeze_blocks: keep the first N transformer blocks fixed.
+        allow_pickle: read pickle-format checkpoints (always with ``torch.load(weights_only=True)``);
+            False accepts safetensors sources only.
+        eval_max_new_tokens: longest greedy generation for ``val/exact_match``.
+        The remaining arguments are PretrainModule's, with fine-tuning defaults: a 10x lower LR, a short
+        warmup and no weight decay.
+    """
+
+    def __init__(
+        self,
+        init_from: str | None = None,
+        config: GPTConfig | None = None,
+        tokenizer: str | None = None,
+        lora: LoRAConfig | None = None,
+        freeze_embeddings: bool = False,
+        freeze_blocks: int = 0,
+        allow_pickle: bool = True,
+        eval_max_new_tokens: int = 64,
+        learning_rate: float = 1e-4,
+        min_lr: float = 1e-5,
+        warmup_steps: int = 20,
+        decay_steps: int | None = None,
+        weight_decay: float = 0.0,
+        betas: tuple[float, float] = (0.9, 0.95),
+        eps: float = 1e-8,
+        compile: bool = False,
+    ) -> None:
+        self._pretrained = open_pretrained(init_from, config, allow_pickle) if init_from else None
+        if self._pretrained is not None:
+            # Rebound before super().__init__ so that save_hyperparameters records the resolved values:
+            # a checkpoint of this module is then a complete source for init_from and `generate`.
+            config, tokenizer = self._pretrained.config, tokenizer or self._pretrained.tokenizer
+        if config is None:
+            raise UserInputError("FinetuneModule needs init_from (the starting weights) or a model config")
+        n_layer = config.n_layer
+        if not 0 <= freeze_blocks <= n_layer:
+            raise UserInputError(f"freeze_blocks={freeze_blocks} must be between 0 and n_layer={n_layer}")
+        super().__init__(
+            config, learning_rate, min_lr, warmup_steps, decay_steps, weight_decay, betas, eps, compile
+        )
+        self.tokenizer_spec = tokenizer
+        self.val_token_acc = MeanMetric()
+        self._weights_pending = False
+
+    # ---- building ------------------------------------------------------------------------------
+    def configure_model(self) -> None:
+        if self.model is not None:
+            return
+        model = self.build_model()
+        if self._pretrained is not None:
+            if any(p.is_meta for p in model.parameters()):
+                self._weights_pending = True  # materialised later by the strategy; see on_fit_start
+            else:
+                load_into(model, self._pretrained.read_state_dict(), self._pretrained.source)
+        if self.hparams.lora is not None:
+            model = apply_lora(model, self.hparams.lora)
+        self._freeze(model)
+        self.model = model
+        if self.hparams.compile:
+            self.model.compile()
+
+    def _freeze(self, model: nn.Module) -> None:
+        frozen = list(model.blocks[: self.hparams.freeze_blocks])
+        if self.hparams.freeze_embeddings:
+            frozen += [model.embed] + ([model.pos_embed] if model.pos_embed is not None else [])
+        for module in frozen:
+            module.requires_grad_(False)
+        if not any(p.requires_grad for p in model.parameters()):
+            raise UserInputError("every parameter is frozen; lower freeze_blocks or unset freeze_embeddings")
+
+    def on_fit_start(self) -> None:
+        self._load_pending_weights()
+
+    def on_validation_start(self) -> None:
+        if not self.trainer.ckpt_path:  # a checkpoint given to validate() provides the weights
+            self._load_pending_weights()
+
+    def _load_pending_weights(self) -> None:
+        """Load ``init_from`` into a model the strategy has materialised (and maybe sharded)."""
+        if not self._weights_pending:
+            return
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        model, state_dict = self.model, self._pretrained.read_state_dict()
+        if self.config.tie_embeddings:
+            state_dict.setdefault("lm_head.weight", state_dict["embed.weight"])
+        # Our key names -> the model's (LoRA moved the adapted weights to `<layer>.base_layer`).
+        current = {k: v.shape for k, v in model.state_dict().items() if "lora_" not in k}
+        renamed = {k.replace(".base_layer", ""): k for k in current}
+        expected = {k: current[theirs] for k, theirs in renamed.items()}
+        check_keys(expected, state_dict, self._pretrained.source)
+        state_dict = {renamed[k]: v for k, v in state_dict.items()}
+        set_model_state_dict(model, state_dict, options=StateDictOptions(full_state_dict=True, strict=False))
+        reset_lora(model)  # the strategy's generic reset_parameters gave lora_B random values
+        self._weights_pending = False
+
+    # ---- evaluation ----------------------------------------------------------------------------
+    def on_validation_epoch_start(self) -> None:
+        # Metric states reset under validate()'s inference mode become inference tensors, which a later
+        # fit() (validating under no_grad) cannot update in place: give them fresh, normal tensors.
+        with torch.inference_mode(False):
+            self.val_loss.reset()
+            self.val_token_acc.reset()
+
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        logits, labels = self(batch["input_ids"]), batch["labels"]
+        scored = labels != -100
+        count = scored.sum()
+        if count == 0:
+            return
+        self.val_loss.update(self.compute_loss(logits, labels), weight=count)
+        correct = (logits.argmax(dim=-1) == labels)[scored].float().mean()
+        self.val_token_acc.update(correct, weight=count)
+
+    def on_validation_epoch_end(self) -> None:
+        super().on_validation_epoch_end()
+        self.log("val/token_acc", self.val_token_acc.compute(), sync_dist=False)
+        self.val_token_acc.reset()
+        datamodule = getattr(self.trainer, "datamodule", None)
+        examples = getattr(datamodule, "eval_examples", None)
+        if examples and not self.trainer.sanity_checking:
+            # Every rank scores every held-out prompt: sharded models need all ranks in each forward.
+            self.log("val/exact_match", self.exact_match(examples, datamodule.eos_id), sync_dist=False)
+
+    @torch.no_grad()
+    def exact_match(
+        self, examples: list[tuple[list[int], list[int]]], eos_id: int, batch_size: int = 32
+    ) -> float:
+        """Fraction of ``(prompt_ids, response_ids)`` whose greedy continuation is exactly the response
+        followed by ``eos_id``."""
+        was_training = self.model.training
+        self.model.eval()
+        limit = min(self.hparams.eval_max_new_tokens, max(len(r) for _, r in examples) + 1)
+        completions = generate_batched(
+            self.model, [p for p, _ in examples], limit, eos_id, batch_size=batch_size, device=self.device
+        )
+        self.model.train(was_training)
+        responses = [response for _, response in examples]
+        return sum(c == r for c, r in zip(completions, responses, strict=True)) / len(examples)
+
+    # ---- export ----------------------------------------------------------------------------------
+    def merged_model(self) -> GPT:
+        """A plain ``GPT`` copy of the current weights with LoRA adapters folded in (unsharded models)."""
+        return merge_lora(copy.deepcopy(self.model)) if lora_layers(self.model) else copy.deepcopy(self.model)
+
+    def export(self, output_dir: str | Path) -> Path:
+        """Write ``model.safetensors`` + ``config.json`` (loadable as ``init_from``) of the merged model,
+        with the HF ``tokenizer.json`` when the tokenizer is one; returns the folder."""
+        output_dir = save_safetensors(self.merged_model(), output_dir)
+        if self.tokenizer_spec and self.tokenizer_spec != "byte":
+            (output_dir / "tokenizer.json").write_bytes(Path(self.tokenizer_spec).read_bytes())
+        return output_dir
+
+
+@torch.no_grad()
+def generate_batched(
+    model: GPT,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    eos_id: int | None,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    batch_size: int = 32,
+    device: torch.device | str = "cpu",
+    use_cache: bool = True,
+) -> list[list[int]]:
+    """Continuations of token-id ``prompts`` (in their order), cut before the first ``eos_id``.
+
+    Our GPT has no padding mask, so prompts are batched with others of the same length."""
+    by_length: dict[int, list[int]] = defaultdict(list)
+    for i, prompt in enumerate(prompts):
+        if not prompt:
+            raise UserInputError(f"prompt {i} is empty; give at least one token")
+        by_length[len(prompt)].append(i)
+    completions: list[list[int]] = [[] for _ in prompts]
+    for length, indices in sorted(by_length.items()):
+        for start in range(0, len(indices), batch_size):
+            chunk = indices[start : start + batch_size]
+            idx = torch.tensor([prompts[i] for i in chunk], dtype=torch.long, device=device)
+            out = model.generate(
+                idx, max_new_tokens, temperature=temperature, top_k=top_k, eos_id=eos_id, use_cache=use_cache
+            )
+            for i, row in zip(chunk, out[:, length:].tolist(), strict=True):
+                completions[i] = row[: row.index(eos_id)] if eos_id in row else row
+    return completions
+
+
+def generate(
+    checkpoint: str,
+    prompt: str | list[str],
+    max_new_tokens: int = 64,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    chat: bool = False,
+    tokenizer: str | None = None,
+    use_cache: bool = True,
+    seed: int = 1234,
+    allow_pickle: bool = True,
+) -> None:
+    """Print each prompt followed by the model's completion (up to its end-of-text token).
+
+    Args:
+        checkpoint: a .ckpt of this package, a .safetensors file or folder, or a Hugging Face model folder.
+        prompt: one or more prompts, e.g. --prompt "read_file in CamelCase: " or --prompt '[a, b]'.
+        max_new_tokens: longest completion.
+        temperature: 0 is greedy; higher samples more freely.
+        top_k: sample only among the k likeliest tokens.
+        chat: wrap each prompt as a user message of the SFT chat template.
+        tokenizer: "byte" or a tokenizer.json path; None: the checkpoint's.
+        use_cache: decode with the KV cache (faster; same tokens).
+        seed: seeds the sampling.
+        allow_pickle: read pickle-format checkpoints (with torch.load(weights_only=True)).
+    """
+    from lightning_train.data.sft import chat_segments
+    from lightning_train.data.tokenizers import load_tokenizer
+
+    torch.manual_seed(seed)
+    pretrained = open_pretrained(checkpoint, allow_pickle=allow_pickle)
+    spec = tokenizer or pretrained.tokenizer
+    if spec is None:
+        raise UserInputError(f"{checkpoint!r} names no tokenizer; pass --tokenizer byte or a tokenizer.json")
+    tok = load_tokenizer(spec)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = pretrained.build().to(device)
+    prompts = prompt if isinstance(prompt, list) else [prompt]
+    if chat:
+        prompts = [
+            "".join(text for text, _ in chat_segments([{"role": "user", "content": p}])) + "<|assistant|>\n"
+            for p in prompts
+        ]
+    completions = generate_batched(
+        model, [tok.encode(p) for p in prompts], max_new_tokens, tok.eos_id, temperature, top_k,
+        device=device, use_cache=use_cache,
+    )
+    print("\n\n".join(p + tok.decode(c) for p, c in zip(prompts, completions, strict=True)))

@@ -1,0 +1,113 @@
+"""Which checkpoint to resume from: ``--resume auto|none|PATH``.
+
+``auto`` picks the newest *valid* checkpoint in the run's ``checkpoints/`` folder — newest by the global
+step its manifest records, then by modification time — verifying each candidate against its manifest and
+skipping (with a warning) the ones that are truncated or corrupt. A job script can therefore simply rerun
+the same command after a crash or a preemption. With no checkpoint it starts fresh and says so.
+
+    >>> from lightning_train.resume import resolve_resume
+    >>> resolve_resume("auto", "runs/pretrain-tiny/checkpoints")  # doctest: +SKIP
+    'runs/pretrain-tiny/checkpoints/preempted.ckpt'
+
+A named PATH must exist: a checkpoint file or folder is verified (a corrupt one is an error, never
+silently replaced by another), a folder of checkpoints resolves to its newest valid one.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+
+from lightning_train.errors import UserInputError
+from lightning_train.plugins.checkpoint_io import (
+    DCP_METADATA,
+    FOLDER_MANIFEST,
+    CorruptCheckpointError,
+    read_manifest,
+    verify_checkpoint,
+)
+
+RESUME_CHOICES = "auto, none or the path of a checkpoint (or of a folder of checkpoints)"
+
+
+def resolve_resume(resume: str | None, checkpoint_dir: str | Path) -> str | None:
+    """The checkpoint path to pass to ``Trainer.fit(ckpt_path=...)``, or None to start fresh."""
+    if resume is None or resume.lower() == "none":
+        return None
+    if resume.lower() == "auto":
+        found = find_resume_checkpoint(checkpoint_dir)
+        if found is None:
+            rank_zero_info(f"--resume auto: no checkpoint in {checkpoint_dir}, starting fresh")
+            return None
+        rank_zero_info(f"--resume auto: resuming from {found}")
+        return str(found)
+    path = Path(resume)
+    if not path.exists():
+        raise UserInputError(f"--resume {resume}: no such file or folder; pass {RESUME_CHOICES}")
+    if path.is_file() or _is_checkpoint_folder(path):
+        verify_checkpoint(path)
+        return str(path)
+    found = find_resume_checkpoint(path)
+    if found is None:
+        raise UserInputError(f"--resume {resume}: no valid checkpoint in this folder; pass {RESUME_CHOICES}")
+    rank_zero_info(f"--resume {resume}: resuming from {found}")
+    return str(found)
+
+
+def find_resume_checkpoint(folder: str | Path) -> Path | None:
+    """The newest checkpoint in ``folder`` that passes verification, or None when there is none.
+
+    Corrupt or unfinished checkpoints are skipped with a warning; a checkpoint written by a newer,
+    incompatible format stops the search with an error (resuming from an older one would silently
+    throw that progress away)."""
+    for candidate in _candidates_newest_first(Path(folder)):
+        try:
+            verify_checkpoint(candidate)
+        except CorruptCheckpointError as error:
+            rank_zero_warn(f"skipping checkpoint {candidate}: {error}")
+            continue
+        return candidate
+    return None
+
+
+def _candidates_newest_first(folder: Path) -> list[Path]:
+    if not folder.is_dir():
+        return []
+    seen: dict[Path, Path] = {}
+    for entry in sorted(folder.iterdir()):
+        if entry.name.startswith("."):  # .partial leftovers of interrupted writes
+            continue
+        is_file_checkpoint = entry.is_file() and entry.suffix == ".ckpt"
+        if is_file_checkpoint or _is_checkpoint_folder(entry):
+            seen.setdefault(entry.resolve(), entry)  # a symlinked last.ckpt is its target
+    return sorted(seen.values(), key=_age_key, reverse=True)
+
+
+def _is_checkpoint_folder(path: Path) -> bool:
+    """A sharded (torch.distributed.checkpoint) save: ours carry a manifest, DCP writes ``.metadata``."""
+    return path.is_dir() and ((path / FOLDER_MANIFEST).exists() or (path / DCP_METADATA).exists())
+
+
+def _age_key(path: Path) -> tuple[int, float]:
+    """(global step, mtime): checkpoints without a readable manifest rank below all that have one."""
+    try:
+        manifest = read_manifest(path)
+    except CorruptCheckpointError:
+        manifest = None
+    step = manifest.get("global_step") if manifest else None
+    return (step if isinstance(step, int) else -1, path.stat().st_mtime)
+
+
+def checkpoint_mismatch_error(error: BaseException, checkpoint: str | None) -> UserInputError | None:
+    """A one-line ``UserInputError`` for torch's "Error(s) in loading state_dict" when the checkpoint was
+    written by a model of another shape (names the mismatched keys and shapes); None for other errors."""
+    text = str(error)
+    if not checkpoint or not text.startswith("Error(s) in loading state_dict"):
+        return None
+    problems = [line.strip().rstrip(".") for line in text.splitlines()[1:] if line.strip()]
+    shown = "; ".join(problems[:4]) + (f"; and {len(problems) - 4} more" if len(problems) > 4 else "")
+    return UserInputError(
+        f"checkpoint {checkpoint} does not fit this model ({shown}); resume from a checkpoint of the same "
+        "model configuration, or start fresh with --resume none and another trainer.default_root_dir"
+    )

@@ -1,0 +1,327 @@
+"""DataParallelStrategy: one Lightning strategy for DDP and FSDP2 data parallelism, on CPUs (gloo) and GPUs.
+
+    trainer = L.Trainer(strategy=DataParallelStrategy(sharding="fsdp"), devices=8, num_nodes=2)
+    trainer = L.Trainer(strategy="lt_fsdp", devices=2, accelerator="cpu")   # registry names, YAML too
+
+``sharding="ddp"`` replicates the model (torch ``DistributedDataParallel``); ``"fsdp"`` shards
+parameters, gradients and optimizer state with ``fully_shard`` (each transformer block, then the
+root); ``"auto"`` estimates the per-device memory of DDP and takes it when it fits with margin.
+
+The model is built by the LightningModule's ``configure_model`` on the root device exactly as in a
+single-process run (same seed, same initial weights), then parallelised from outside
+(``parallelize.py``). Built on Lightning's ``ModelParallelStrategy`` for process groups, the launcher
+and sharded checkpoints (``torch.distributed.checkpoint`` folders that load at any world size).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator, Mapping
+from contextlib import contextmanager
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.strategies.model_parallel import _load_checkpoint
+from lightning.fabric.utilities.distributed import _sync_ddp_if_available
+from lightning.fabric.utilities.load import _METADATA_FILENAME
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.strategies import ModelParallelStrategy, Strategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch import Tensor, nn
+from torch.nn.parallel import DistributedDataParallel
+
+from lightning_train.errors import UserInputError
+from lightning_train.strategies import checkpoint as sharded
+from lightning_train.strategies.memory import GiB, choose_sharding, device_memory_bytes, estimate_memory
+from lightning_train.strategies.parallelize import (
+    COMM_HOOKS,
+    CommHook,
+    apply_activation_checkpointing,
+    apply_fsdp,
+    build_mesh,
+    register_comm_hook,
+)
+
+Sharding = Literal["ddp", "fsdp", "auto"]
+SHARDINGS = ("ddp", "fsdp", "auto")
+_LOW_PRECISION = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
+
+
+class DataParallelStrategy(ModelParallelStrategy):
+    """Data parallelism with DDP or FSDP2, chosen by ``sharding``.
+
+    Args:
+        sharding: ``"ddp"`` (replicate), ``"fsdp"`` (shard) or ``"auto"`` (ddp if it fits in memory).
+        bucket_cap_mb: DDP gradient bucket size; larger buckets mean fewer, bigger all-reduces.
+        gradient_as_bucket_view: DDP gradients alias the communication buckets (saves one copy).
+        static_graph: DDP may assume the same parameters are used every step (enables extra overlap).
+        find_unused_parameters: DDP tolerates parameters that get no gradient (slower; off by default).
+        comm_hook: DDP gradient compression: ``"fp16_compress"``, ``"bf16_compress"`` (NCCL only) or
+            ``"powersgd"``; registered where torch supports it on the backend, else a warning says so.
+        reshard_after_forward: FSDP frees gathered parameters after forward (ZeRO-3); ``False`` keeps
+            them until backward (ZeRO-2 style: less communication, more memory).
+        activation_checkpointing: recompute each block's activations in backward (ddp and fsdp).
+        cpu_offload: FSDP keeps sharded parameters, gradients and optimizer state in host memory.
+        replicate_size: FSDP over a 2-D mesh (HSDP): ``replicate_size`` groups, usually the number of
+            nodes, each sharding over ``world_size / replicate_size`` ranks. 1 is plain FSDP.
+        reduce_dtype: FSDP gradient reduce-scatter dtype under mixed precision (``"float32"`` default).
+        memory_budget_gb: per-device memory ``"auto"`` plans with (default: the device's memory).
+        process_group_backend, timeout: passed to ``torch.distributed.init_process_group``.
+    """
+
+    def __init__(
+        self,
+        sharding: Sharding = "auto",
+        bucket_cap_mb: float = 25.0,
+        gradient_as_bucket_view: bool = True,
+        static_graph: bool = False,
+        find_unused_parameters: bool = False,
+        comm_hook: CommHook | None = None,
+        reshard_after_forward: bool = True,
+        activation_checkpointing: bool = False,
+        cpu_offload: bool = False,
+        replicate_size: int = 1,
+        reduce_dtype: Literal["float32", "bfloat16"] = "float32",
+        memory_budget_gb: float | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+    ) -> None:
+        super().__init__(process_group_backend=process_group_backend, timeout=timeout)
+        if sharding not in SHARDINGS:
+            raise UserInputError(f"sharding={sharding!r} is not one of {', '.join(SHARDINGS)}")
+        if comm_hook is not None and comm_hook not in COMM_HOOKS:
+            raise UserInputError(f"comm_hook={comm_hook!r} is not one of {', '.join(COMM_HOOKS)} (or null)")
+        if reduce_dtype not in ("float32", "bfloat16"):
+            raise UserInputError(f"reduce_dtype={reduce_dtype!r} is not 'float32' or 'bfloat16'")
+        self.sharding = sharding
+        self.ddp_kwargs = dict(
+            bucket_cap_mb=bucket_cap_mb, gradient_as_bucket_view=gradient_as_bucket_view,
+            static_graph=static_graph, find_unused_parameters=find_unused_parameters,
+        )
+        self.comm_hook = comm_hook
+        self.registered_comm_hook: str | None = None  # torch's name for the hook once registered
+        self.reshard_after_forward = reshard_after_forward
+        self.activation_checkpointing = activation_checkpointing
+        self.cpu_offload = cpu_offload
+        self.replicate_size = replicate_size
+        self.reduce_dtype = getattr(torch, reduce_dtype)
+        self.memory_budget_gb = memory_budget_gb
+        self._restored_by_strategy = False  # True once load_checkpoint has put model + optimizer states in place
+
+    # ---- process groups and mesh ---------------------------------------------------------------------
+    def _configure_launcher(self) -> None:
+        world_size = self.num_nodes * self.num_processes
+        if self.replicate_size < 1 or world_size % self.replicate_size:  # fail before any process starts
+            raise UserInputError(
+                f"replicate_size={self.replicate_size} does not divide the world size {world_size} "
+                f"(num_nodes={self.num_nodes} x devices={self.num_processes}); use a divisor, e.g. num_nodes"
+            )
+        super()._configure_launcher()
+
+    def setup_environment(self) -> None:
+        Strategy.setup_environment(self)  # accelerator setup; skips ModelParallelStrategy's 2-D (dp, tp) mesh
+        self._setup_distributed()
+        self._device_mesh = build_mesh(self.root_device.type, self.world_size, self.replicate_size)
+        self.lightning_module._device_mesh = self._device_mesh
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.world_size, "rank": self.global_rank}  # every rank is data-parallel
+
+    @contextmanager
+    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
+        # Build on the root device like a single-device run, so the same seed gives the same weights.
+        with Strategy.tensor_init_context(self, empty_init):
+            yield
+
+    # ---- wrapping ---------------------------------------------------------------------------------------
+    def setup(self, trainer: pl.Trainer) -> None:
+        self.accelerator.setup(trainer)
+        module = self.lightning_module
+        if self.sharding == "auto":
+            self.sharding = self._choose_sharding(trainer, module)
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        self.model = self.precision_plugin.convert_module(module)
+        if self.activation_checkpointing and fitting:
+            apply_activation_checkpointing(module)
+        if self.sharding == "fsdp":
+            apply_fsdp(
+                module, self.device_mesh, param_dtype=_LOW_PRECISION.get(self._precision_name),
+                reduce_dtype=self.reduce_dtype, reshard_after_forward=self.reshard_after_forward,
+                cpu_offload=self.cpu_offload,
+            )
+        self.model_to_device()  # FSDP placed its shards; this moves the rest (e.g. metric states)
+        if self.sharding == "ddp" and fitting:
+            self.model = self._wrap_ddp(module)
+        elif self.sharding == "ddp":
+            from lightning.fabric.utilities.distributed import _sync_module_states
+
+            _sync_module_states(module)
+        self.barrier()
+        if fitting:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if fitting and not self.cpu_offload:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    @property
+    def _precision_name(self) -> str:
+        return getattr(self.precision_plugin, "precision", "32-true")
+
+    def model_to_device(self) -> None:
+        if not self.cpu_offload:  # offloaded shards must stay in host memory
+            self.lightning_module.to(self.root_device)
+
+    def _wrap_ddp(self, module: pl.LightningModule) -> DistributedDataParallel:
+        device_ids = None if self.root_device.type == "cpu" else [self.root_device.index]
+        model = DistributedDataParallel(module, device_ids=device_ids, **self.ddp_kwargs)
+        if self.comm_hook is not None:
+            self.registered_comm_hook = register_comm_hook(model, self.comm_hook, self.process_group_backend)
+        return model
+
+    def _choose_sharding(self, trainer: pl.Trainer, module: nn.Module) -> str:
+        datamodule = getattr(trainer, "datamodule", None)
+        estimate = estimate_memory(
+            module, shard_size=self.world_size // self.replicate_size,
+            batch_size=getattr(datamodule, "batch_size", None), seq_len=getattr(datamodule, "seq_len", None),
+            activation_checkpointing=self.activation_checkpointing,
+            activation_dtype=_LOW_PRECISION.get(self._precision_name, torch.float32),
+        )
+        budget = (
+            int(self.memory_budget_gb * GiB) if self.memory_budget_gb is not None
+            else device_memory_bytes(self.root_device, self.num_processes)
+        )
+        choice = choose_sharding(estimate, budget)
+        rank_zero_info(
+            f"DataParallelStrategy(sharding='auto') chose {choice!r}: {estimate.describe()}; "
+            f"budget {budget / GiB:.3f} GiB per device (ddp when it needs <= 80% of it)"
+        )
+        return choice
+
+    def teardown(self) -> None:
+        if isinstance(self.model, DistributedDataParallel):
+            self.model = self.lightning_module
+        super().teardown()
+
+    def reduce(self, tensor: Tensor | Any, group: Any | None = None, reduce_op: Any = "mean") -> Tensor | Any:
+        return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op) if isinstance(tensor, Tensor) else tensor
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
+        """Clip the gradients of all parameters to a total ``norm_type`` norm of ``max_norm`` and return
+        the norm before clipping, the same on every rank (``Trainer(gradient_clip_val=...)`` goes through
+        torch's ``clip_grad_norm_`` too, which handles FSDP2's sharded DTensor gradients)."""
+        norm = torch.nn.utils.clip_grad_norm_(self.lightning_module.parameters(), max_norm, norm_type=norm_type)
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+    # ---- checkpoints --------------------------------------------------------------------------------
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        if self.sharding == "ddp":
+            return Strategy.lightning_module_state_dict(self)
+        return super().lightning_module_state_dict()
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        if self.sharding == "ddp":
+            return Strategy.optimizer_state(self, optimizer)
+        return super().optimizer_state(optimizer)
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
+        if self.sharding == "ddp":  # one ordinary file from rank 0, through the Trainer's CheckpointIO
+            Strategy.save_checkpoint(self, checkpoint, filepath, storage_options)
+        else:
+            self.save_sharded_checkpoint(checkpoint, Path(filepath))
+
+    def save_sharded_checkpoint(self, checkpoint: dict[str, Any], path: Path) -> None:
+        """Write ``checkpoint`` as a sharded folder at ``path``, atomically and verifiably: every rank
+        writes its DCP shard of model and optimizer state into the hidden ``.<name>.partial`` sibling,
+        rank 0 adds ``meta.pt`` (everything else: counters, loops and data position, schedulers,
+        callbacks, hyper-parameters), then fsyncs, writes ``manifest.json`` (sizes + sha256) and renames
+        the folder into place (``AtomicCheckpointIO``'s folder protocol). A crash mid-save leaves the
+        previous checkpoint at ``path`` untouched."""
+        from torch.distributed.checkpoint import save
+
+        from lightning_train.plugins.checkpoint_io import atomic_checkpoint_dir
+
+        path = Path(self.broadcast(str(path)))
+        state = {"state_dict": checkpoint.pop("state_dict")}
+        state.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
+        is_writer = self.global_rank == 0
+        with atomic_checkpoint_dir(
+            path, checkpoint.get("global_step"), checkpoint.get("epoch"), is_writer=is_writer
+        ) as staging:
+            self.barrier()  # rank 0 has cleared the staging folder before anyone writes into it
+            save(state, checkpoint_id=str(staging))  # collective: returns when every rank's shard is written
+            if is_writer:
+                torch.save(checkpoint, staging / _METADATA_FILENAME)
+        self.barrier()
+
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        path = Path(self.broadcast(str(checkpoint_path)))
+        if sharded.is_sharded_checkpoint(path):
+            metadata = self.load_sharded_checkpoint(path, weights_only)
+        elif self.sharding == "fsdp" and path.is_file():  # a full file into a sharded model
+            state = {"state_dict": self.lightning_module}
+            state.update({f"optimizer_{i}": optimizer for i, optimizer in enumerate(self.optimizers)})
+            metadata = _load_checkpoint(path, state, strict=self.lightning_module.strict_loading,
+                                        optimizer_states_from_list=True, weights_only=weights_only)
+        else:
+            return Strategy.load_checkpoint(self, path, weights_only)
+        self._restored_by_strategy = True
+        return metadata
+
+    def load_sharded_checkpoint(self, path: Path, weights_only: bool | None = None) -> dict[str, Any]:
+        """Load model and optimizer states from a sharded folder written at any world size (DCP
+        re-shards on load); returns the rest of the checkpoint for Lightning to restore."""
+        from torch.distributed.checkpoint import load
+        from torch.distributed.checkpoint.state_dict import (
+            get_model_state_dict,
+            get_optimizer_state_dict,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        from lightning_train.plugins.checkpoint_io import read_manifest, verify_checkpoint
+
+        # sha256 of every shard against the manifest, once (rank 0), before any rank reads a byte
+        problem = None
+        if self.global_rank == 0 and read_manifest(path) is not None:
+            try:
+                verify_checkpoint(path)
+            except UserInputError as error:
+                problem = error
+        if (problem := self.broadcast(problem)) is not None:
+            raise problem
+        module, strict = self.lightning_module, self.lightning_module.strict_loading
+        model_state = get_model_state_dict(module)
+        sharded.check_compatible(path, {k: tuple(v.shape) for k, v in model_state.items()}, strict=strict)
+        load({"state_dict": model_state}, checkpoint_id=str(path))
+        set_model_state_dict(module, model_state, options=sharded._options(strict=strict))
+        for index, optimizer in enumerate(self.optimizers):
+            optimizer_state = {f"optimizer_{index}": get_optimizer_state_dict(module, optimizer)}
+            load(optimizer_state, checkpoint_id=str(path))
+            set_optimizer_state_dict(module, optimizer, optimizer_state[f"optimizer_{index}"])
+        return sharded.read_metadata(path, weights_only=weights_only is not False)
+
+    @property
+    def lightning_restore_optimizer(self) -> bool:
+        return not self._restored_by_strategy
+
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        if not self._restored_by_strategy:
+            Strategy.load_model_state_dict(self, checkpoint, strict=strict)
+
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        if not self._restored_by_strategy:
+            Strategy.load_optimizer_state_dict(self, checkpoint)
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        for sharding in SHARDINGS:
+            strategy_registry.register(
+                f"lt_{sharding}", cls, description=f"lightning_train DataParallelStrategy(sharding={sharding!r})",
+                sharding=sharding, override=True,
+            )

@@ -1,0 +1,115 @@
+"""Apply data parallelism to a plain model from outside (torchtitan style): the model file stays plain.
+
+``apply_fsdp`` shards each transformer block, then the root, with FSDP2's ``fully_shard``;
+``apply_activation_checkpointing`` recomputes each block's activations in backward;
+``register_comm_hook`` installs a DDP communication-hook preset. ``build_mesh`` makes the 1-D (FSDP)
+or 2-D (replicate x shard, HSDP) device mesh.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.nn.parallel import DistributedDataParallel
+
+from lightning_train.errors import UserInputError
+from lightning_train.strategies.memory import _find_transformer
+
+CommHook = Literal["fp16_compress", "bf16_compress", "powersgd"]
+COMM_HOOKS = ("fp16_compress", "bf16_compress", "powersgd")
+
+
+def build_mesh(device_type: str, world_size: int, replicate_size: int) -> DeviceMesh:
+    """A ``("replicate", "shard")`` mesh: ``replicate_size`` groups (usually nodes) that each shard the
+    model over ``world_size // replicate_size`` ranks. ``replicate_size=1`` is plain FSDP."""
+    if replicate_size < 1 or world_size % replicate_size:
+        raise UserInputError(
+            f"replicate_size={replicate_size} does not divide the world size {world_size} "
+            f"(num_nodes x devices); choose a divisor of {world_size}, e.g. the number of nodes"
+        )
+    return init_device_mesh(
+        device_type, (replicate_size, world_size // replicate_size), mesh_dim_names=("replicate", "shard")
+    )
+
+
+def transformer_blocks(model: nn.Module) -> tuple[nn.Module, list[nn.Module]]:
+    """(root, blocks): the module with a ``blocks`` ModuleList and its blocks; for other models the
+    model itself and its direct children that hold parameters."""
+    transformer = _find_transformer(model)
+    if transformer is not None:
+        return transformer, list(transformer.blocks)
+    rank_zero_warn(
+        f"{type(model).__name__} has no `blocks` ModuleList: sharding each of its direct children instead "
+        "of each transformer block"
+    )
+    return model, [child for child in model.children() if any(True for _ in child.parameters())]
+
+
+def apply_activation_checkpointing(model: nn.Module) -> None:
+    """Recompute each block's activations in backward instead of keeping them (same gradients, less
+    memory, ~1/3 more compute). The composable API keeps parameter names (and checkpoints) unchanged."""
+    from torch.distributed._composable import checkpoint
+
+    for block in transformer_blocks(model)[1]:
+        checkpoint(block)
+
+
+def apply_fsdp(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    param_dtype: torch.dtype | None,
+    reduce_dtype: torch.dtype,
+    reshard_after_forward: bool,
+    cpu_offload: bool,
+) -> None:
+    """Shard each block, then the root (embeddings, final norm and head stay in the root's group).
+
+    ``param_dtype`` is the compute dtype of the all-gathered parameters (None: the stored dtype); the
+    sharded fp32 parameters stay the optimizer's master weights. Gradients are reduce-scattered in
+    ``reduce_dtype``. ``reshard_after_forward=False`` keeps the gathered parameters until backward
+    (ZeRO-2 style: less communication, more memory).
+    """
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    fsdp_mesh = mesh if mesh["replicate"].size() > 1 else mesh["shard"]
+    offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
+    options = dict(
+        mesh=fsdp_mesh,
+        mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
+        offload_policy=offload,
+    )
+    root, blocks = transformer_blocks(model)
+    for index, block in enumerate(blocks):
+        # the last block's parameters are needed again right away in backward: keep them gathered
+        fully_shard(block, reshard_after_forward=reshard_after_forward and index < len(blocks) - 1, **options)
+    fully_shard(root, reshard_after_forward=reshard_after_forward, **options)
+
+
+def register_comm_hook(model: DistributedDataParallel, preset: CommHook, backend: str) -> str | None:
+    """Register a DDP communication-hook ``preset`` for real; returns the hook's name as torch records
+    it, or None (with a warning naming torch's reason) where torch refuses it on this backend."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+    if preset not in COMM_HOOKS:
+        raise UserInputError(f"comm_hook={preset!r} is not one of {', '.join(COMM_HOOKS)} (or null)")
+    if preset == "powersgd":
+        # rank-1 approximations after 10 exact steps: the PowerSGD paper's defaults for warm starts
+        state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=10)
+        hook = powerSGD_hook.powerSGD_hook
+    else:
+        state, hook = None, getattr(default_hooks, f"{preset}_hook")
+    try:
+        model.register_comm_hook(state, hook)
+    except (TypeError, RuntimeError, ValueError) as error:
+        rank_zero_warn(
+            f"comm_hook={preset!r} is not supported on the {backend} backend ({error}); gradients are "
+            "all-reduced uncompressed. Use it on GPUs with NCCL, or pick another preset"
+        )
+        return None
+    registered = model._get_ddp_logging_data().get("comm_hook")
+    rank_zero_info(f"DataParallelStrategy: DDP comm hook {preset!r} registered (torch: comm_hook={registered})")
+    return registered

@@ -1,0 +1,120 @@
+"""Test helpers for DataParallelStrategy runs launched through the CLI (importable as ``strategy_probe``
+with ``tests/helpers`` on PYTHONPATH).
+
+``PatternDataModule``: deterministic, learnable token sequences (no files, no download), one epoch of a
+fixed number of global batches in a fixed order. ``StrategyProbe``: records, per optimizer step, the
+loss averaged over all ranks, and at the end the bytes of parameters, gradients and optimizer state
+this rank holds, plus what the strategy decided; each rank writes ``<output_dir>/rank<R>.json``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+
+class PatternDataset(Dataset):
+    """Sequences ``(start + stride * t) % vocab``: next-token prediction a tiny model learns quickly."""
+
+    def __init__(self, samples: int, seq_len: int, vocab_size: int, seed: int = 0) -> None:
+        generator = torch.Generator().manual_seed(seed)
+        start = torch.randint(0, vocab_size, (samples, 1), generator=generator)
+        stride = torch.randint(1, 8, (samples, 1), generator=generator)
+        self.tokens = (start + stride * torch.arange(seq_len + 1)) % vocab_size
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.tokens[index, :-1], "labels": self.tokens[index, 1:]}
+
+
+class PatternDataModule(L.LightningDataModule):
+    def __init__(self, samples: int = 96, seq_len: int = 16, vocab_size: int = 64, batch_size: int = 8) -> None:
+        super().__init__()
+        self.batch_size, self.seq_len = batch_size, seq_len
+        self.dataset = PatternDataset(samples, seq_len, vocab_size)
+
+    def train_dataloader(self) -> DataLoader:
+        # the same order every epoch, dealt round-robin: rank r of W gets samples r, r+W, r+2W, ...
+        kwargs = self.trainer.distributed_sampler_kwargs or {"num_replicas": 1, "rank": 0}
+        sampler = DistributedSampler(self.dataset, shuffle=False, **kwargs)
+        return DataLoader(self.dataset, batch_size=self.batch_size, sampler=sampler)
+
+
+def _local_bytes(tensor: torch.Tensor) -> int:
+    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+    return local.numel() * local.element_size()
+
+
+def _mean_over_ranks(value: torch.Tensor) -> float:
+    value = value.detach().float().clone()
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(value)
+        value /= dist.get_world_size()
+    return value.item()
+
+
+class StrategyProbe(L.Callback):
+    def __init__(self, output_dir: str) -> None:
+        self.output_dir = Path(output_dir)
+        self.losses: list[float] = []
+        self._pending = 0.0
+        self.micro_steps: list[dict[str, Any]] = []
+        self.memory: dict[str, int] = {}
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # initial weights, gathered to full tensors: equal across strategies for the same seed
+        full = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in pl_module.parameters()]
+        self.initial_weights = [float(w.double().sum()) for w in full] + [float(w.double().square().sum()) for w in full]
+
+    def on_after_backward(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        model = trainer.strategy.model
+        if not hasattr(model, "require_backward_grad_sync"):
+            return  # only DDP all-reduces in backward
+        grad = next(p.grad for p in pl_module.parameters() if p.grad is not None).sum().reshape(1)
+        grads = [torch.zeros_like(grad) for _ in range(dist.get_world_size())]
+        dist.all_gather(grads, grad)
+        self.micro_steps.append({
+            "grad_sync": bool(model.require_backward_grad_sync),
+            "grads_equal_across_ranks": all(torch.equal(g, grads[0]) for g in grads),
+        })
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        self._pending += _mean_over_ranks(outputs["loss"])  # already divided by accumulate_grad_batches
+        if (batch_idx + 1) % trainer.accumulate_grad_batches == 0:
+            self.losses.append(self._pending)
+            self._pending = 0.0
+        params = {id(p): p for p in pl_module.parameters()}.values()
+        optimizer = trainer.optimizers[0]
+        self.memory = {
+            "param_bytes": sum(_local_bytes(p) for p in params),
+            "grad_bytes": sum(_local_bytes(p.grad) for p in params if p.grad is not None),
+            "optimizer_bytes": sum(
+                _local_bytes(v) for state in optimizer.state.values() for v in state.values()
+                if isinstance(v, torch.Tensor) and v.dim() > 0
+            ),
+        }
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        strategy = trainer.strategy
+        report = {
+            "losses": self.losses,
+            "initial_weights": self.initial_weights,
+            "global_step": trainer.global_step,
+            "world_size": trainer.world_size,
+            "strategy": type(strategy).__name__,
+            "sharding": getattr(strategy, "sharding", None),
+            "registered_comm_hook": getattr(strategy, "registered_comm_hook", None),
+            "micro_steps": self.micro_steps,
+            "memory": self.memory,
+        }
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        (self.output_dir / f"rank{trainer.global_rank}.json").write_text(json.dumps(report, indent=1))

@@ -1,0 +1,88 @@
+"""The health/perf callbacks never read a tensor's value on the host on a non-logging training step.
+
+Every way of copying a tensor's value to the host (``item``, ``tolist``, ``bool(t)``, ``float(t)``,
+``.cpu()``, ...) is patched to record calls made from code in ``lightning_train/callbacks/`` (anywhere
+up the stack, so a Lightning call the callback makes counts too), during a real training run.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+import lightning_train.callbacks
+from lightning_train.callbacks import GradNormMonitor, ThroughputMonitor, TimeToQuality
+from lightning_train.models.gpt import GPTConfig
+from lightning_train.modules import PretrainModule
+from tests.test_grad_norm import TINY, FixedBatches
+
+CALLBACKS_DIR = str(Path(lightning_train.callbacks.__file__).parent)
+HOST_READS = ("item", "tolist", "numpy", "cpu", "__bool__", "__float__", "__int__", "__index__")
+
+
+def all_callbacks() -> list[L.Callback]:
+    """Every callback of lightning_train.callbacks, in their default settings."""
+    return [GradNormMonitor(), ThroughputMonitor(peak_flops=1e12), TimeToQuality(target=0.0)]
+
+
+class WithValidation(FixedBatches):
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(self.rows[:4], batch_size=4)
+
+
+@contextmanager
+def host_reads_from_callbacks(trainer: L.Trainer) -> Iterator[list[dict]]:
+    reads: list[dict] = []
+
+    def recording(name: str, original):
+        def read(tensor, *args, **kwargs):
+            frame = sys._getframe(1)
+            while frame is not None:
+                if frame.f_code.co_filename.startswith(CALLBACKS_DIR):
+                    reads.append({"read": name, "at": f"{Path(frame.f_code.co_filename).name}:{frame.f_lineno}",
+                                  "step": trainer.global_step, "validating": trainer.validating})
+                    break
+                frame = frame.f_back
+            return original(tensor, *args, **kwargs)
+        return read
+
+    with pytest.MonkeyPatch.context() as patch:
+        for name in HOST_READS:
+            patch.setattr(torch.Tensor, name, recording(name, getattr(torch.Tensor, name)))
+        yield reads
+
+
+def fit_and_record(tmp_path, log_every_n_steps: int, max_steps: int) -> list[dict]:
+    L.seed_everything(0)
+    trainer = L.Trainer(
+        accelerator="cpu", max_steps=max_steps, log_every_n_steps=log_every_n_steps, gradient_clip_val=1.0,
+        val_check_interval=4, limit_val_batches=1, num_sanity_val_steps=0, callbacks=all_callbacks(),
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
+    with host_reads_from_callbacks(trainer) as reads:
+        trainer.fit(PretrainModule(GPTConfig(**TINY)), WithValidation())
+    return reads
+
+
+def test_no_host_reads_on_non_logging_steps(tmp_path):
+    reads = fit_and_record(tmp_path, log_every_n_steps=50, max_steps=8)
+    training_reads = [r for r in reads if not r["validating"]]
+    assert training_reads == []
+    # TimeToQuality reads the monitored metric once per validation (after steps 4 and 8), nothing else.
+    assert [(r["read"], r["step"]) for r in reads] == [("__float__", 4), ("__float__", 8)]
+
+
+def test_logging_steps_read_once_per_interval(tmp_path):
+    """The counter works: with a log every 3 steps the reads appear, and only on steps 3 and 6."""
+    reads = [r for r in fit_and_record(tmp_path, log_every_n_steps=3, max_steps=6) if not r["validating"]]
+    assert {r["step"] for r in reads} == {3, 6}
+    grad_norm_copies = [r for r in reads if r["at"].startswith("grad_norm.py")]
+    assert [r["read"] for r in grad_norm_copies] == ["tolist", "tolist"]  # one host copy per interval

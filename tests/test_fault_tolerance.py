@@ -1,0 +1,218 @@
+"""Crash, preemption and resume with real processes, real signals and real files.
+
+One tiny deterministic run (12 steps, checkpoints every 3, validation every 4, dropout on, shuffled
+data) is the reference. Interrupted copies of it are killed (SIGKILL) or preempted (SIGTERM/SIGUSR1)
+at exact points and restarted with ``--resume auto`` until they finish; their final weights, optimizer
+state, RNG states and callback state must equal the reference bit for bit, and they must have trained
+on exactly the same batches.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import yaml
+
+from lightning_train.callbacks.preemption import PREEMPTED_EXIT_CODE
+from tests.conftest import REPO, cli_env
+
+MAX_STEPS = 12
+
+
+def write_config(folder: Path, devices: int = 1, callbacks: tuple[dict, ...] = (),
+                 plugins: tuple[dict, ...] = (), n_embd: int = 16) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    config = {
+        "seed_everything": 1234,
+        "trainer": {
+            "default_root_dir": str(folder / "run"), "accelerator": "cpu", "devices": devices,
+            "strategy": "ddp" if devices > 1 else "auto", "max_steps": MAX_STEPS, "val_check_interval": 4,
+            "limit_val_batches": 3, "log_every_n_steps": 5, "gradient_clip_val": 0.05, "deterministic": True,
+            "enable_progress_bar": False, "enable_model_summary": False,
+            "callbacks": [
+                {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint", "init_args": {
+                    "every_n_train_steps": 3, "save_last": True, "monitor": "step", "mode": "max",
+                    "save_top_k": 3}},
+                # counts clipped steps over the whole run (one log interval): a state that must survive
+                {"class_path": "lightning_train.callbacks.GradNormMonitor",
+                 "init_args": {"log_every_n_steps": 100}},
+                {"class_path": "tests.helpers.ft_callbacks.BatchLog",
+                 "init_args": {"folder": str(folder / "log")}},
+                *callbacks,
+            ],
+            "plugins": list(plugins) or None,
+        },
+        "model": {"class_path": "lightning_train.PretrainModule", "init_args": {
+            "config": {"vocab_size": 258, "block_size": 16, "n_layer": 1, "n_head": 2, "n_embd": n_embd,
+                       "dropout": 0.1},
+            "warmup_steps": 2, "learning_rate": 0.01}},
+        "data": {"class_path": "tests.helpers.ft_data.RandomTokenDataModule",
+                 "init_args": {"num_samples": 48, "batch_size": 4}},
+    }
+    path = folder / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def fit(config: Path, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    """``python -m lightning_train fit --config CONFIG --resume auto ARGS`` in its own process group (so a
+    fault can SIGKILL every rank of the launch at once); stderr is merged into ``stdout``."""
+    return subprocess.run(
+        [sys.executable, "-m", "lightning_train", "fit", "--config", str(config), "--resume", "auto", *args],
+        cwd=REPO, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout,
+        start_new_session=True,
+    )
+
+
+def fault(points: list[str], folder: Path, signal_name: str = "SIGKILL", rank: int | None = None) -> dict:
+    return {"class_path": "tests.helpers.ft_callbacks.Fault", "init_args": {
+        "points": points, "marker_dir": str(folder / "markers"), "signal_name": signal_name, "rank": rank}}
+
+
+def final_state(folder: Path) -> dict[str, Any]:
+    checkpoint = torch.load(folder / "run" / "checkpoints" / "last.ckpt", weights_only=True)
+    assert checkpoint["global_step"] == MAX_STEPS
+    callbacks = {key.split("{")[0]: value for key, value in checkpoint["callbacks"].items()}
+    assert callbacks["GradNormMonitor"] == {"clipped_steps": MAX_STEPS, "steps_in_interval": MAX_STEPS}
+    return {
+        "weights": checkpoint["state_dict"], "optimizer": checkpoint["optimizer_states"],
+        "scheduler": checkpoint["lr_schedulers"], "rng": callbacks["RNGStateKeeper"],
+        "grad_norm_monitor": callbacks["GradNormMonitor"],
+    }
+
+
+def batches(folder: Path, rank: int = 0) -> dict[int, str]:
+    """Step -> fingerprint of the batch trained on; a re-run step must have seen the same batch."""
+    seen: dict[int, str] = {}
+    for line in (folder / "log" / f"batches-rank{rank}.txt").read_text().splitlines():
+        step, digest = line.split()
+        assert seen.setdefault(int(step), digest) == digest, f"step {step} saw another batch after resume"
+    return seen
+
+
+def assert_same(actual: Any, expected: Any, where: str = "") -> None:
+    if isinstance(expected, torch.Tensor):
+        assert torch.equal(actual, expected), f"{where} differs"
+    elif isinstance(expected, dict):
+        assert actual.keys() == expected.keys(), where
+        for key in expected:
+            assert_same(actual[key], expected[key], f"{where}.{key}")
+    elif isinstance(expected, (list, tuple)):
+        assert len(actual) == len(expected), where
+        for index, (a, e) in enumerate(zip(actual, expected, strict=True)):
+            assert_same(a, e, f"{where}[{index}]")
+    else:
+        assert actual == expected, f"{where}: {actual!r} != {expected!r}"
+
+
+def run_until_done(config: Path, expected_codes: list[int]) -> list[subprocess.CompletedProcess]:
+    """Relaunch like a job script would until the run finishes; the exit codes must be as expected."""
+    results = [fit(config) for _ in expected_codes]
+    codes = [r.returncode for r in results]
+    outputs = "\n---\n".join(r.stdout[-3000:] for r in results)
+    assert codes == expected_codes, f"exit codes {codes}:\n{outputs}"
+    return results
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    folder = tmp_path_factory.mktemp("reference")
+    result = fit(write_config(folder))
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert "--resume auto: no checkpoint in" in result.stdout and "starting fresh" in result.stdout
+    return {"folder": folder, "state": final_state(folder), "batches": batches(folder)}
+
+
+def test_sigterm_checkpoints_exits_75_and_resumes_exactly(tmp_path: Path, reference: dict[str, Any]) -> None:
+    config = write_config(tmp_path, callbacks=(fault(["train:4"], tmp_path, "SIGTERM"),))
+    preempted, finished = run_until_done(config, [PREEMPTED_EXIT_CODE, 0])
+
+    # the step in progress (the 5th) was finished, then saved atomically with its manifest
+    assert "exiting with code 75" in preempted.stdout
+    checkpoints = tmp_path / "run" / "checkpoints"
+    manifest = yaml.safe_load((checkpoints / "preempted.ckpt.manifest.json").read_text())
+    assert manifest["global_step"] == 5 and manifest["files"]["preempted.ckpt"]["size"] > 0
+    assert "resuming from" in finished.stdout and "preempted.ckpt" in finished.stdout
+    assert_same(final_state(tmp_path), reference["state"])
+    assert batches(tmp_path) == reference["batches"]
+
+
+@pytest.mark.slow
+def test_sigkill_anywhere_then_resume_is_bitwise_exact(tmp_path: Path, reference: dict[str, Any]) -> None:
+    # killed mid-interval (last checkpoint: step 3), right after the checkpoint of step 6, in the middle
+    # of the validation after step 8, and half-way through writing the checkpoint of step 9
+    points = ["train:4", "train:6", "val:8"]
+    config = write_config(
+        tmp_path, callbacks=(fault(points, tmp_path),),
+        plugins=({"class_path": "tests.helpers.ft_callbacks.KillDuringWriteIO",
+                  "init_args": {"step": 9, "marker_dir": str(tmp_path / "markers")}},),
+    )
+    run_until_done(config, [-signal.SIGKILL] * 4)
+    checkpoints = tmp_path / "run" / "checkpoints"
+    torn = checkpoints / ".epoch=0-step=9.ckpt.partial"
+    assert torn.stat().st_size > 0 and not (checkpoints / "epoch=0-step=9.ckpt").exists()
+
+    finished = fit(config)
+    assert finished.returncode == 0, finished.stdout[-3000:]
+    assert "resuming from" in finished.stdout and not torn.exists()  # the torn write was cleaned up
+    assert_same(final_state(tmp_path), reference["state"])
+    assert batches(tmp_path) == reference["batches"]
+
+
+def test_truncated_newest_checkpoint_is_skipped(tmp_path: Path, reference: dict[str, Any]) -> None:
+    # the reference's checkpoints minus the final steps, with the newest one cut short on disk
+    checkpoints = tmp_path / "run" / "checkpoints"
+    checkpoints.mkdir(parents=True)
+    for name in ("epoch=0-step=6.ckpt", "epoch=0-step=9.ckpt"):
+        for suffix in ("", ".manifest.json"):
+            source = reference["folder"] / "run" / "checkpoints" / (name + suffix)
+            (checkpoints / (name + suffix)).write_bytes(source.read_bytes())
+    newest = checkpoints / "epoch=0-step=9.ckpt"
+    newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])
+
+    result = fit(write_config(tmp_path))
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert f"skipping checkpoint {newest}" in result.stdout and "truncated" in result.stdout
+    assert f"resuming from {checkpoints}/epoch=0-step=6.ckpt" in result.stdout
+    assert_same(final_state(tmp_path), reference["state"])
+
+
+def test_checkpoint_of_another_model_shape_is_one_error(tmp_path: Path, reference: dict[str, Any]) -> None:
+    source = reference["folder"] / "run" / "checkpoints" / "epoch=0-step=6.ckpt"
+    before = source.read_bytes()
+    result = fit(write_config(tmp_path, n_embd=32), "--resume", str(source))
+    assert result.returncode == 2, result.stdout[-3000:]
+    error = result.stdout.strip().splitlines()[-1]
+    assert error.startswith(f"error: checkpoint {source} does not fit this model")
+    assert "size mismatch for model.embed.weight" in error and "[258, 16]" in error and "[258, 32]" in error
+    assert source.read_bytes() == before
+    assert not (tmp_path / "run" / "checkpoints").exists()  # nothing written for the failed run
+
+
+@pytest.mark.slow
+def test_two_rank_ddp_kill_and_one_rank_preempted_resume_exactly(tmp_path: Path) -> None:
+    rank_seed = {"class_path": "tests.helpers.ft_callbacks.RankSeed"}
+    reference = tmp_path / "reference"
+    assert fit(write_config(reference, devices=2, callbacks=(rank_seed,))).returncode == 0
+
+    # all ranks SIGKILLed after step 4; later only rank 1 gets SIGUSR1 during step 8: both stop after it
+    interrupted = tmp_path / "interrupted"
+    config = write_config(interrupted, devices=2, callbacks=(
+        rank_seed, fault(["train:4"], interrupted), fault(["train:7"], interrupted, "SIGUSR1", rank=1),
+    ))
+    run_until_done(config, [-signal.SIGKILL, PREEMPTED_EXIT_CODE, 0])
+
+    manifest_file = interrupted / "run" / "checkpoints" / "preempted.ckpt.manifest.json"
+    manifest = yaml.safe_load(manifest_file.read_text())
+    assert manifest["global_step"] == 8
+    rng = final_state(interrupted)["rng"]["per_rank"]
+    assert len(rng) == 2 and not torch.equal(rng[0]["torch"], rng[1]["torch"])  # each rank's own states
+    assert_same(final_state(interrupted), final_state(reference))
+    for rank in (0, 1):
+        assert batches(interrupted, rank) == batches(reference, rank)

@@ -1,0 +1,280 @@
+"""GradNormMonitor: logged norms against norms computed independently from the same tensors, in one
+process, with DDP (2 gloo ranks through the CLI) and with FSDP2 (DTensor gradients, via torchrun)."""
+
+from __future__ import annotations
+
+import copy
+import csv
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.loggers import Logger
+from torch.utils.data import DataLoader, DistributedSampler
+
+from lightning_train.callbacks import GradNormMonitor
+from lightning_train.errors import UserInputError
+from lightning_train.models.gpt import GPT, GPTConfig
+from lightning_train.modules import PretrainModule
+from tests.conftest import REPO, cli_env, run_cli
+
+TINY = {"vocab_size": 258, "block_size": 32, "n_layer": 2, "n_head": 2, "n_embd": 32}
+
+
+class FixedBatches(L.LightningDataModule):
+    """Random token rows in a fixed order: with 2 ranks of ``batch_size`` b, rank r gets the rows r, r+2,
+    ..., so together they see one process's batch of 2b (Lightning's own sampler would shuffle)."""
+
+    def __init__(self, batch_size: int = 4, seq_len: int = 16, num_rows: int = 64) -> None:
+        super().__init__()
+        rows = torch.randint(0, 258, (num_rows, seq_len + 1), generator=torch.Generator().manual_seed(0))
+        self.rows = [{"input_ids": row[:-1], "labels": row[1:]} for row in rows]
+        self.batch_size = batch_size
+
+    def train_dataloader(self) -> DataLoader:
+        sharding = self.trainer.distributed_sampler_kwargs if self.trainer else None
+        sampler = DistributedSampler(self.rows, shuffle=False, **sharding) if sharding else None
+        return DataLoader(self.rows, batch_size=self.batch_size, sampler=sampler)
+
+
+class MemoryLogger(Logger):
+    """Keeps every ``log_metrics`` call: ``rows[i] = (step, metrics)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rows: list[tuple[int, dict[str, float]]] = []
+
+    name, version = "memory", 0
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        self.rows.append((step, dict(metrics)))
+
+    def log_hyperparams(self, *args, **kwargs) -> None:
+        pass
+
+    def series(self, key: str) -> list[float]:
+        return [metrics[key] for _, metrics in self.rows if key in metrics]
+
+
+class RecordTensors(L.Callback):
+    """Copies each step's gradients and weights (before and after the optimizer step), by name."""
+
+    def __init__(self) -> None:
+        self.grads, self.before, self.after = [], [], []
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        named = list(pl_module.named_parameters())
+        self.grads.append({n: p.grad.detach().clone() for n, p in named})
+        self.before.append({n: p.detach().clone() for n, p in named})
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.after.append({n: p.detach().clone() for n, p in pl_module.named_parameters()})
+
+
+def group_of(name: str) -> str:
+    """The default groups of GPT written out by hand (lm_head is tied to embed, so it is absent)."""
+    parts = name.split(".")  # model.<top>.<...>
+    if parts[1] == "blocks":
+        return f"block.{parts[2]}"
+    return "embeddings" if parts[1] == "embed" else "head"
+
+
+def norms_by_group(tensors: dict[str, torch.Tensor]) -> dict[str, float]:
+    squares: dict[str, float] = {}
+    for name, t in tensors.items():
+        squares[group_of(name)] = squares.get(group_of(name), 0.0) + t.double().pow(2).sum().item()
+    result = {group: math.sqrt(s) for group, s in squares.items()}
+    result["total"] = math.sqrt(sum(squares.values()))
+    return result
+
+
+@pytest.fixture(scope="module")
+def clipped_run(tmp_path_factory):
+    """6 optimizer steps, logging every 2, clipping at a value between the steps' norms."""
+    L.seed_everything(0)
+    logger, recorder, monitor = MemoryLogger(), RecordTensors(), GradNormMonitor(log_every_n_steps=2)
+    trainer = L.Trainer(
+        max_steps=6, accelerator="cpu", logger=logger, callbacks=[recorder, monitor], gradient_clip_val=0.95,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        default_root_dir=tmp_path_factory.mktemp("run"),
+    )
+    trainer.fit(PretrainModule(GPTConfig(**TINY), learning_rate=1e-2, warmup_steps=1), FixedBatches())
+    return logger, recorder, monitor
+
+
+def test_logged_grad_norms_equal_independent_norms_of_the_same_gradients(clipped_run):
+    logger, recorder, monitor = clipped_run
+    expected = [norms_by_group(recorder.grads[step]) for step in (1, 3, 5)]  # logging steps 2, 4, 6
+    assert [step for step, _ in logger.rows] == [1, 3, 5]  # the rows of train/loss at those steps
+    for group in ("embeddings", "block.0", "block.1", "head"):
+        assert logger.series(f"health/grad_norm/{group}") == pytest.approx([e[group] for e in expected], rel=1e-5)
+    assert logger.series("health/grad_norm") == pytest.approx([e["total"] for e in expected], rel=1e-5)
+    # The latest pre-clip total norm stays on the device for other callbacks.
+    assert isinstance(monitor.last_total_norm, torch.Tensor)
+    assert monitor.last_total_norm.item() == pytest.approx(expected[-1]["total"], rel=1e-5)
+
+
+def test_clip_fraction_counts_the_steps_above_gradient_clip_val(clipped_run):
+    logger, recorder, _ = clipped_run
+    totals = [norms_by_group(grads)["total"] for grads in recorder.grads]
+    clipped = [total > 0.95 for total in totals]
+    assert 0 < sum(clipped) < len(clipped), f"the run should clip some steps only: {totals}"
+    expected = [sum(clipped[i:i + 2]) / 2 for i in (0, 2, 4)]
+    assert logger.series("health/clip_fraction") == pytest.approx(expected)
+
+
+def test_update_ratio_and_param_norm_match_a_by_hand_computation(clipped_run):
+    logger, recorder, _ = clipped_run
+    for row, step in enumerate((1, 3, 5)):
+        before, after = recorder.before[step], recorder.after[step]
+        weights = norms_by_group(before)
+        updates = norms_by_group({n: after[n] - before[n] for n in before})
+        assert logger.series("health/param_norm")[row] == pytest.approx(weights["total"], rel=1e-5)
+        for group in ("embeddings", "block.0", "block.1", "head"):
+            ratio = logger.series(f"health/update_ratio/{group}")[row]
+            assert ratio == pytest.approx(updates[group] / weights[group], rel=1e-4)
+            assert ratio > 0
+
+
+def test_groups_by_depth_or_regex_and_tied_weights_count_once():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**TINY))
+    tokens = torch.randint(0, 258, (2, 16))
+    torch.nn.functional.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten()).backward()
+    total = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])  # shared tensors once
+
+    by_depth = GradNormMonitor(groups=1).measure(model)
+    assert list(by_depth) == ["embed", "blocks", "norm", "total"]
+    blocks = torch.cat([p.grad.flatten() for p in model.blocks.parameters()]).norm()
+    assert by_depth["blocks"].item() == pytest.approx(blocks.item(), rel=1e-5)
+
+    by_regex = GradNormMonitor(groups={"attention": r"\.attn\.", "mlp": r"\.mlp\."}).measure(model)
+    assert list(by_regex) == ["other", "attention", "mlp", "total"]
+    mlp = torch.cat([p.grad.flatten() for n, p in model.named_parameters() if ".mlp." in n]).norm()
+    assert by_regex["mlp"].item() == pytest.approx(mlp.item(), rel=1e-5)
+    for norms in (by_depth, by_regex, GradNormMonitor().measure(model)):
+        assert norms["total"].item() == pytest.approx(total.item(), rel=1e-5)
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"groups": {"attn": "(unclosed"}}, "is not a regular expression"),
+    ({"groups": 0}, "a depth must be >= 1"),
+    ({"log_every_n_steps": 0}, "log_every_n_steps=0"),
+    ({"norm_type": -1.0}, "norm_type=-1.0"),
+])
+def test_bad_settings_are_refused_with_the_value_named(kwargs, message):
+    with pytest.raises(UserInputError, match=message):
+        GradNormMonitor(**kwargs)
+
+
+def test_a_named_block_list_that_does_not_exist_is_refused():
+    with pytest.raises(UserInputError, match="blocks='layers' is not an nn.ModuleList"):
+        GradNormMonitor(blocks="layers").measure(GPT(GPTConfig(**TINY)))
+
+
+def test_scaled_gradients_are_reported(tmp_path):
+    """Lightning's AMP plugin does not unscale for a fused optimizer (PretrainModule's AdamW on CPU)."""
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
+    trainer = L.Trainer(
+        max_steps=1, accelerator="cpu", plugins=[plugin], callbacks=[GradNormMonitor()], logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
+    with pytest.warns(UserWarning, match="still multiplied by the loss scale"):
+        trainer.fit(PretrainModule(GPTConfig(**TINY)), FixedBatches())
+
+
+def test_clip_counters_survive_a_checkpoint():
+    monitor = GradNormMonitor()
+    monitor._clipped_steps, monitor._steps_in_interval = torch.tensor(3), 5
+    restored = GradNormMonitor()
+    restored.load_state_dict(monitor.state_dict())
+    assert restored.state_dict() == {"clipped_steps": 3, "steps_in_interval": 5}
+
+
+# ---- data parallel: the same global batch gives the same norm -----------------------------------
+def _cli_run(tmp_path: Path, devices: int, batch_size: int) -> list[float]:
+    config = {
+        "trainer": {
+            "accelerator": "cpu", "devices": devices, "strategy": "ddp" if devices > 1 else "auto",
+            "max_steps": 3, "log_every_n_steps": 1, "enable_progress_bar": False,
+            "default_root_dir": str(tmp_path / f"run{devices}"),
+            "callbacks": [{"class_path": "lightning_train.callbacks.GradNormMonitor"}],
+        },
+        "model": {"class_path": "lightning_train.PretrainModule",
+                  "init_args": {"config": TINY, "learning_rate": 1e-2, "warmup_steps": 1}},
+        "data": {"class_path": "tests.test_grad_norm.FixedBatches", "init_args": {"batch_size": batch_size}},
+    }
+    path = tmp_path / f"config{devices}.json"
+    path.write_text(json.dumps(config))
+    result = run_cli("fit", "--config", str(path), cwd=tmp_path, timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    with open(tmp_path / f"run{devices}" / "version_0" / "metrics.csv") as f:
+        return [float(row["health/grad_norm"]) for row in csv.DictReader(f) if row.get("health/grad_norm")]
+
+
+@pytest.mark.slow
+def test_ddp_on_two_ranks_logs_the_norm_of_a_single_process_run(tmp_path):
+    single, ddp = _cli_run(tmp_path, devices=1, batch_size=8), _cli_run(tmp_path, devices=2, batch_size=4)
+    assert len(single) == len(ddp) == 3
+    assert ddp == pytest.approx(single, rel=1e-5)
+
+
+# ---- FSDP2: DTensor gradients, all-reduced sums of squares --------------------------------------
+def _fsdp_worker(out_dir: str) -> None:
+    """Run by torchrun on 2 gloo ranks: the monitor's norms of FSDP2-sharded gradients against the norms
+    of an unsharded copy trained on the whole batch."""
+    from torch.distributed.fsdp import fully_shard
+
+    torch.distributed.init_process_group("gloo")
+    rank = torch.distributed.get_rank()
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**TINY))
+    sharded = copy.deepcopy(model)
+    for block in sharded.blocks:
+        fully_shard(block)
+    fully_shard(sharded)
+    tokens = torch.randint(0, 258, (4, 17))
+
+    def loss(net: torch.nn.Module, rows: torch.Tensor) -> torch.Tensor:
+        logits = net(rows[:, :-1])
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), rows[:, 1:].flatten())
+
+    loss(model, tokens).backward()
+    loss(sharded, tokens[rank::2]).backward()  # FSDP2 averages the two halves' gradients
+    monitor = GradNormMonitor()
+    measured = {name: norm.item() for name, norm in monitor.measure(sharded).items()}
+    reference = {name: norm.item() for name, norm in GradNormMonitor().measure(model).items()}
+    placements = {str(p.grad.placements) for p in sharded.parameters()}
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(
+        {"measured": measured, "reference": reference, "placements": sorted(placements)}
+    ))
+    torch.distributed.destroy_process_group()
+
+
+def test_fsdp2_sharded_gradients_give_the_full_norm_on_every_rank(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+         "-m", "tests.test_grad_norm", str(tmp_path)],
+        cwd=REPO, env=cli_env(), capture_output=True, text=True, timeout=180,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert ranks[0]["placements"] == ["(Shard(dim=0),)"]  # the gradients really were sharded
+    assert ranks[0]["measured"] == ranks[1]["measured"]  # identical on every rank
+    assert set(ranks[0]["measured"]) == {"embeddings", "block.0", "block.1", "head", "total"}
+    for name, value in ranks[0]["reference"].items():
+        assert ranks[0]["measured"][name] == pytest.approx(value, rel=1e-5), name
+
+
+if __name__ == "__main__":  # the FSDP2 worker, started by torchrun
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    _fsdp_worker(sys.argv[1])

@@ -1,0 +1,242 @@
+"""NaNRecovery under fault injection (CPU): skipped steps change nothing, spikes are caught, rollbacks
+restore the snapshot and skip data, aborts leave a checkpoint and a forensic report, ranks decide
+together, and the ladder's state survives a resume."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.plugins.precision import MixedPrecision
+
+from lightning_train import GPTConfig, PretrainModule, UserInputError
+from lightning_train.alerts import read_alerts
+from lightning_train.callbacks import GradNormMonitor, LossScaleMonitor, NaNRecovery, TrainingAborted
+from lightning_train.plugins import AmpPrecision
+from tests.conftest import REPO, cli_env, run_cli
+from tests.helpers.nan_faults import InjectFault, PatternDataModule, PatternTokens
+
+TINY = GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_embd=16)
+
+
+class Recorder(Callback):
+    """The training state after every optimizer step, keyed by ``global_step`` (so ``after[k]`` is the
+    state before step index k, the one a snapshot taken at step k holds)."""
+
+    def __init__(self) -> None:
+        self.after: dict[int, dict] = {}
+
+    def on_train_batch_end(self, trainer, pl_module, *args):
+        optimizer = trainer.optimizers[0]
+        self.names = [name for name, _ in pl_module.named_parameters()]
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        self.after[trainer.global_step] = {
+            "params": [p.detach().clone() for p in pl_module.parameters()],
+            "state": [{k: v.clone() for k, v in optimizer.state[p].items()} for p in pl_module.parameters()],
+            "last_epoch": trainer.lr_scheduler_configs[0].scheduler.last_epoch,
+            "lr": optimizer.param_groups[0]["lr"],
+            "scaler": scaler.state_dict() if scaler is not None else {},
+        }
+
+    def unchanged(self, a: int, b: int) -> bool:
+        """Whether parameters and optimizer state are bit-identical after steps a and b."""
+        x, y = self.after[a], self.after[b]
+        same_params = all(torch.equal(p, q) for p, q in zip(x["params"], y["params"], strict=True))
+        same_state = all(torch.equal(s[k], t[k]) for s, t in zip(x["state"], y["state"], strict=True) for k in s)
+        return same_params and same_state
+
+
+def fit(tmp_path, callbacks, max_steps=10, plugins=None, precision="32-true", ckpt_path=None, **kwargs):
+    torch.manual_seed(0)
+    trainer = L.Trainer(
+        default_root_dir=tmp_path, max_steps=max_steps, accelerator="cpu", log_every_n_steps=5,
+        logger=CSVLogger(tmp_path, name="", version=0), enable_progress_bar=False, enable_model_summary=False,
+        enable_checkpointing=False, callbacks=callbacks, plugins=plugins or [],
+        precision=None if plugins else precision, **kwargs,
+    )
+    module = PretrainModule(TINY, warmup_steps=4, decay_steps=400)
+    # PretrainModule's hyper-parameters hold a GPTConfig, which weights_only loading refuses.
+    trainer.fit(module, PatternDataModule(batch_size=4), ckpt_path=ckpt_path, weights_only=False)
+    return trainer, module
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed", "16-mixed"])
+def test_nan_loss_step_changes_nothing_and_training_goes_on(tmp_path, precision):
+    recorder, recovery = Recorder(), NaNRecovery()
+    plugins = [AmpPrecision("16-mixed", "cpu", init_scale=2.0**10, growth_interval=3)] if precision == "16-mixed" else None
+    monitor = LossScaleMonitor()
+    fit(tmp_path, [monitor, recovery, InjectFault("nan_loss", steps=[5]), recorder], max_steps=9,
+        plugins=plugins, precision=precision)
+    assert recorder.unchanged(5, 6)  # step index 5 was skipped: bit-identical parameters and AdamW state
+    assert recorder.after[6]["last_epoch"] == recorder.after[5]["last_epoch"] == 5  # schedule held
+    assert recorder.after[6]["lr"] == recorder.after[5]["lr"]
+    assert recorder.after[6]["scaler"] == recorder.after[5]["scaler"]  # 16-mixed: scale and growth tracker kept
+    assert not recorder.unchanged(6, 7) and recorder.after[9]["last_epoch"] == 8  # training goes on
+    assert all(torch.isfinite(p).all() for p in recorder.after[9]["params"])
+    assert recovery.skipped_steps == 1 and recovery.rollbacks == 0
+    assert monitor.state_dict()["overflow_steps"] == 0  # a NaN loss is NaNRecovery's, counted once
+    alerts = read_alerts(tmp_path / "version_0")
+    assert [a["step"] for a in alerts if a["title"] == "NaNRecovery skipped a step"] == [5]
+
+
+def test_inf_gradient_in_one_layer_is_skipped(tmp_path):
+    recorder, recovery = Recorder(), NaNRecovery()
+    fit(tmp_path, [recovery, InjectFault("inf_grad", steps=[4], param="blocks.0.attn.qkv"), recorder], max_steps=6)
+    assert recorder.unchanged(4, 5)
+    assert recovery.skipped_steps == 1
+    assert "non-finite gradient norm" in recovery.state_dict()["bad_steps"][0]["reason"]
+
+
+def test_scaler_overflow_is_left_to_the_scaler_and_counted_once(tmp_path):
+    recovery, monitor = NaNRecovery(), LossScaleMonitor()
+    fit(tmp_path, [monitor, recovery, InjectFault("inf_grad", steps=[3])], max_steps=5,
+        plugins=[AmpPrecision("16-mixed", "cpu", init_scale=2.0**10)])
+    assert monitor.state_dict()["overflow_steps"] == 1
+    assert recovery.skipped_steps == 0
+
+
+def test_loss_spike_is_detected_and_skipped(tmp_path):
+    recorder, recovery = Recorder(), NaNRecovery(min_window=8, window=32)
+    fit(tmp_path, [recovery, InjectFault("spike", steps=[14], factor=30.0), recorder], max_steps=16)
+    assert recovery.spikes == 1 and recovery.skipped_steps == 1
+    assert recorder.unchanged(14, 15)
+    assert "loss spike" in recovery.state_dict()["bad_steps"][0]["reason"]
+    assert max(recovery.state_dict()["losses"]) < 10  # the spike did not enter the window
+
+
+def test_rollback_restores_the_snapshot_and_skips_the_next_batches(tmp_path):
+    recorder = Recorder()
+    recovery = NaNRecovery(snapshot_every=4, max_consecutive_skips=2, skip_batches=3)
+    trainer, _ = fit(tmp_path, [recovery, InjectFault("nan_loss", steps=[6, 7]), recorder], max_steps=13)
+    assert recovery.rollbacks == 1 and recovery.snapshot.step == 12
+    # step indices 6, 7 were skipped, then the state of the snapshot taken at step 4 came back ...
+    assert recorder.unchanged(8, 4) and recorder.after[8]["last_epoch"] == 4
+    # ... the batches of step indices 8, 9, 10 were drawn but not trained on, step index 11 trains
+    assert recovery.skipped_data == [[8, 11]]
+    assert recorder.unchanged(11, 4) and not recorder.unchanged(12, 4)
+    assert trainer.global_step == 13
+    alerts = [a["title"] for a in read_alerts(tmp_path / "version_0")]
+    assert "NaNRecovery rolled back (1/3)" in alerts
+
+
+def test_persistent_nan_aborts_with_checkpoint_and_forensics(tmp_path):
+    recorder = Recorder()
+    recovery = NaNRecovery(snapshot_every=4, max_consecutive_skips=2, skip_batches=3, max_rollbacks=2)
+    with pytest.raises(TrainingAborted) as raised:
+        fit(tmp_path, [GradNormMonitor(), recovery, InjectFault("nan_loss", from_step=6), recorder], max_steps=40)
+    error = raised.value
+    assert error.checkpoint.exists() and error.forensics.exists()
+    assert str(error.checkpoint) in str(error) and str(error.forensics) in str(error)
+    # the checkpoint holds the last good state: the snapshot of step 4
+    weights = torch.load(error.checkpoint, weights_only=False)["state_dict"]
+    snapshot = zip(recorder.names, recorder.after[4]["params"], strict=True)
+    assert all(torch.equal(weights[name], param) for name, param in snapshot)
+    report = json.loads(error.forensics.read_text())
+    assert report["rollbacks"] == 2 and report["snapshot_step"] == 4
+    assert [b["step"] for b in report["bad_steps"]] == [6, 7, 11, 12, 16, 17]
+    assert report["bad_steps"][0]["loss"] == "nan" and "block.0" in report["bad_steps"][0]["grad_norm_per_group"]
+    assert [t["action"] for t in report["tried"]].count("rollback") == 2 and report["tried"][-1]["action"] == "abort"
+    assert report["skipped_data"] == [[8, 11], [13, 16]]
+    assert {"python", "numpy", "torch"} <= set(report["rng"])
+
+
+def test_the_ladder_survives_a_resume(tmp_path):
+    recovery = NaNRecovery(snapshot_every=4, max_consecutive_skips=2, skip_batches=3)
+    trainer, _ = fit(tmp_path, [recovery, InjectFault("nan_loss", steps=[6, 7])], max_steps=9)
+    path = tmp_path / "mid-skip.ckpt"
+    trainer.save_checkpoint(path)  # at step 9, inside the skipped range [8, 11)
+
+    recorder, resumed = Recorder(), NaNRecovery(snapshot_every=4, max_consecutive_skips=2, skip_batches=3)
+    fit(tmp_path / "resumed", [resumed, recorder], max_steps=13, ckpt_path=path)
+    assert (resumed.skipped_steps, resumed.rollbacks, resumed.skipped_data) == (2, 1, [[8, 11]])
+    assert recorder.unchanged(10, 11)  # step index 10's batch stays skipped after the resume
+    assert not recorder.unchanged(11, 12)  # step index 11 trains again
+    assert [b["step"] for b in resumed.state_dict()["bad_steps"]] == [6, 7]
+
+
+def test_one_nan_batch_in_a_hundred_ends_within_two_percent_of_the_clean_run(tmp_path):
+    def final_loss(callbacks, folder):
+        _, module = fit(tmp_path / folder, callbacks, max_steps=200)
+        data = PatternTokens(256, 16, 64, seed=3)
+        with torch.no_grad():
+            logits = module(data.tokens[:, :-1])
+            return module.compute_loss(logits, data.tokens[:, 1:]).item()
+
+    clean = final_loss([NaNRecovery()], "clean")
+    recovery = NaNRecovery()
+    faulty = final_loss([recovery, InjectFault("nan_loss", every=100)], "faulty")
+    assert recovery.skipped_steps == 2
+    assert abs(faulty - clean) / clean < 0.02, (clean, faulty)
+
+
+def test_one_host_read_per_step(tmp_path, monkeypatch):
+    reads = []
+    for name in ("item", "tolist"):
+        original = getattr(torch.Tensor, name)
+
+        def counting(self, *args, _original=original, **kwargs):
+            if sys._getframe(1).f_code.co_filename.endswith("nan_recovery.py"):
+                reads.append(1)
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, counting)
+    fit(tmp_path, [NaNRecovery()], max_steps=12)
+    assert len(reads) == 12
+
+
+def test_lightning_16_mixed_with_a_fused_optimizer_is_refused(tmp_path):
+    with pytest.raises(UserInputError, match="AmpPrecision"):
+        fit(tmp_path, [NaNRecovery()], max_steps=2, plugins=[MixedPrecision("16-mixed", "cpu")])
+
+
+def _cli_args(tmp_path, *extra):
+    return (
+        "fit", "--trainer.accelerator=cpu", f"--trainer.default_root_dir={tmp_path}", "--trainer.max_steps=14",
+        "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false",
+        "--model=lightning_train.PretrainModule", "--model.config.vocab_size=64", "--model.config.block_size=16",
+        "--model.config.n_layer=1", "--model.config.n_head=2", "--model.config.n_embd=16",
+        "--model.warmup_steps=4", "--data=tests.helpers.nan_faults.PatternDataModule", "--data.batch_size=4",
+        *extra,
+    )
+
+
+def test_cli_abort_exits_non_zero_with_one_line_naming_the_files(tmp_path):
+    result = run_cli(*_cli_args(
+        tmp_path,
+        "--trainer.callbacks+=lightning_train.callbacks.NaNRecovery",
+        "--trainer.callbacks.snapshot_every=4", "--trainer.callbacks.max_consecutive_skips=2",
+        "--trainer.callbacks.skip_batches=2", "--trainer.callbacks.max_rollbacks=1",
+        "--trainer.callbacks+=tests.helpers.nan_faults.InjectFault", "--trainer.callbacks.from_step=5",
+    ), cwd=REPO, timeout=120)
+    assert result.returncode == 3, result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "training aborted at step" in errors[0], result.stderr[-3000:]
+    checkpoint = next(tmp_path.glob("checkpoints/nan-recovery-abort-step=*.ckpt"))
+    forensics = next(tmp_path.glob("version_*/nan_recovery_forensics.json"))
+    assert str(checkpoint) in errors[0] and str(forensics) in errors[0]
+
+
+@pytest.mark.slow
+def test_nan_on_one_rank_of_two_skips_on_both_and_keeps_them_in_sync(tmp_path):
+    result = run_cli(*_cli_args(
+        tmp_path, "--trainer.devices=2", "--trainer.strategy=ddp",
+        "--trainer.callbacks+=lightning_train.callbacks.NaNRecovery",
+        "--trainer.callbacks+=tests.helpers.nan_faults.InjectFault", "--trainer.callbacks.kind=nan_loss",
+        "--trainer.callbacks.steps=[3]", "--trainer.callbacks.rank=1",
+        # after backward, only rank 1's (already all-reduced) gradients turn inf: only the shared flag
+        # makes rank 0 skip too
+        "--trainer.callbacks+=tests.helpers.nan_faults.InjectFault", "--trainer.callbacks.kind=inf_grad",
+        "--trainer.callbacks.steps=[7]", "--trainer.callbacks.rank=1",
+        "--trainer.callbacks+=tests.helpers.nan_faults.DumpState", f"--trainer.callbacks.folder={tmp_path}",
+    ), cwd=REPO, timeout=240, env=cli_env())
+    assert result.returncode == 0, result.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert ranks[0]["digest"] == ranks[1]["digest"]  # parameters and AdamW state identical
+    for record in ranks:
+        assert record["skipped_steps"] == 2 and [b["step"] for b in record["bad_steps"]] == [3, 7]
+        assert record["global_step"] == 14 and record["last_epoch"] == 12

@@ -1,0 +1,102 @@
+import math
+
+import lightning as L
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from lightning_train.errors import UserInputError
+from lightning_train.modules.pretrain import PretrainModule, warmup_cosine
+
+
+def _batch(config, batch_size=4, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, config.vocab_size, (batch_size, config.block_size + 1), generator=g)
+    return {"input_ids": tokens[:, :-1], "labels": tokens[:, 1:]}
+
+
+class _OneBatch(L.LightningDataModule):
+    def __init__(self, batch, max_token_id=None, seq_len=None):
+        super().__init__()
+        self.batch, self.max_token_id, self.seq_len = batch, max_token_id, seq_len
+
+    def train_dataloader(self):
+        return DataLoader([self.batch] * 100, batch_size=None)
+
+
+def test_a_few_steps_on_one_batch_lower_the_loss(tiny_config, tmp_path):
+    torch.manual_seed(0)
+    module = PretrainModule(tiny_config, learning_rate=3e-3, warmup_steps=2)
+    batch = _batch(tiny_config)
+    module.configure_model()
+    with torch.no_grad():
+        before = module.compute_loss(module(batch["input_ids"]), batch["labels"]).item()
+    trainer = L.Trainer(
+        max_steps=20, accelerator="cpu", logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
+    )
+    trainer.fit(module, datamodule=_OneBatch(batch))
+    with torch.no_grad():
+        after = module.compute_loss(module(batch["input_ids"]), batch["labels"]).item()
+    assert after < 0.8 * before
+    assert trainer.callback_metrics["train/loss"] < before
+
+
+def test_lr_schedule_warms_up_then_decays_to_min():
+    lr = lambda step: 1e-3 * warmup_cosine(step, warmup_steps=10, decay_steps=110, min_lr_ratio=0.1)  # noqa: E731
+    assert lr(0) == pytest.approx(1e-4)
+    assert lr(9) == pytest.approx(1e-3)
+    assert lr(60) == pytest.approx(1e-4 + 0.9e-3 * 0.5)  # half-way through the cosine
+    assert lr(110) == pytest.approx(1e-4)
+    assert lr(500) == pytest.approx(1e-4)
+
+
+def test_scheduler_follows_optimizer_steps(tiny_config, tmp_path):
+    module = PretrainModule(tiny_config, learning_rate=1e-3, min_lr=1e-4, warmup_steps=4)
+    trainer = L.Trainer(
+        max_steps=12, accelerator="cpu", logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
+    )
+    trainer.fit(module, datamodule=_OneBatch(_batch(tiny_config)))
+    # after 12 optimizer steps the schedule (decay_steps = max_steps = 12) has reached min_lr
+    assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(1e-4)
+    assert trainer.lr_scheduler_configs[0].scheduler.last_epoch == 12
+
+
+def test_no_weight_decay_on_norms_biases_and_embeddings(tiny_config):
+    module = PretrainModule(tiny_config)
+    module.configure_model()
+    groups = {g["name"]: g for g in module.configure_param_groups()}
+    names = {id(p): n for n, p in module.model.named_parameters()}
+    no_decay = {names[id(p)] for p in groups["no_decay"]["params"]}
+    assert "embed.weight" in no_decay and "norm.weight" in no_decay
+    assert all(names[id(p)].endswith(("qkv.weight", "proj.weight", "up.weight", "down.weight"))
+               for p in groups["decay"]["params"])
+    assert groups["no_decay"]["weight_decay"] == 0.0
+
+
+@pytest.mark.parametrize(
+    ("max_token_id", "seq_len", "message"),
+    [(300, 32, "token id 300.*vocab_size is 258"), (10, 64, "seq_len=64.*block_size=32")],
+)
+def test_data_that_does_not_fit_the_model_is_refused(tiny_config, tmp_path, max_token_id, seq_len, message):
+    module = PretrainModule(tiny_config)
+    trainer = L.Trainer(max_steps=1, accelerator="cpu", logger=False, enable_progress_bar=False,
+                        default_root_dir=tmp_path)
+    with pytest.raises(UserInputError, match=message):
+        trainer.fit(module, datamodule=_OneBatch(_batch(tiny_config), max_token_id, seq_len))
+
+
+def test_val_ppl_is_exp_of_val_loss(tiny_config, tmp_path):
+    batch = _batch(tiny_config)
+
+    class _WithVal(_OneBatch):
+        def val_dataloader(self):
+            return DataLoader([batch] * 3, batch_size=None)
+
+    module = PretrainModule(tiny_config)
+    trainer = L.Trainer(max_steps=2, accelerator="cpu", logger=False, enable_progress_bar=False,
+                        enable_checkpointing=False, default_root_dir=tmp_path, enable_model_summary=False)
+    trainer.fit(module, datamodule=_WithVal(batch))
+    metrics = trainer.validate(module, datamodule=_WithVal(batch), verbose=False)[0]
+    assert metrics["val/ppl"] == pytest.approx(math.exp(metrics["val/loss"]), rel=1e-5)

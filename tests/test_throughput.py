@@ -1,0 +1,110 @@
+"""ThroughputMonitor: tokens/s, step time and MFU agree with the batch shapes and the model's FLOPs."""
+
+from __future__ import annotations
+
+import time
+
+import lightning as L
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from lightning_train.callbacks import ThroughputMonitor
+from lightning_train.callbacks.throughput import datasheet_peak_flops
+from lightning_train.errors import UserInputError
+from lightning_train.models.gpt import GPTConfig
+from lightning_train.modules import PretrainModule
+from tests.test_grad_norm import TINY, FixedBatches, MemoryLogger
+
+
+def fit(tmp_path, monitor, module=None, data=None, **trainer_kwargs) -> tuple[L.Trainer, MemoryLogger]:
+    logger = MemoryLogger()
+    trainer_kwargs = {"max_steps": 6, "limit_val_batches": 0, **trainer_kwargs}
+    trainer = L.Trainer(
+        accelerator="cpu", logger=logger, callbacks=[monitor], enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path, **trainer_kwargs,
+    )
+    trainer.fit(module or PretrainModule(GPTConfig(**TINY)), data or FixedBatches(batch_size=4, seq_len=16))
+    return trainer, logger
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_figures_are_positive_and_consistent_with_tokens_per_step(tmp_path, accumulate):
+    module = PretrainModule(GPTConfig(**TINY))
+    trainer, logger = fit(
+        tmp_path, ThroughputMonitor(log_every_n_steps=2, peak_flops=1e12), module,
+        accumulate_grad_batches=accumulate,
+    )
+    tokens_per_sec, step_time = logger.series("perf/tokens_per_sec"), logger.series("perf/step_time")
+    assert len(tokens_per_sec) == len(step_time) == 3
+    assert all(v > 0 for v in tokens_per_sec + step_time)
+    tokens_per_step = 4 * 16 * accumulate  # batch x seq_len x micro-batches per optimizer step
+    for rate, seconds in zip(tokens_per_sec, step_time, strict=True):
+        assert rate * seconds == pytest.approx(tokens_per_step)
+    flops_per_token = module.model.flops_per_token(16)
+    assert logger.series("perf/mfu") == pytest.approx([r * flops_per_token / 1e12 for r in tokens_per_sec])
+    assert trainer.progress_bar_metrics["perf/tokens_per_sec"] == pytest.approx(tokens_per_sec[-1])
+
+
+class SlowValidation(PretrainModule):
+    def validation_step(self, batch, batch_idx):
+        time.sleep(1.0)
+        return super().validation_step(batch, batch_idx)
+
+
+class WithValidation(FixedBatches):
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(self.rows[:4], batch_size=4)
+
+
+def test_validation_time_is_not_counted_as_step_time(tmp_path):
+    # Validation runs after step 2, inside the interval of steps 1-4; counted, it would add 0.25 s a step.
+    _, logger = fit(
+        tmp_path, ThroughputMonitor(log_every_n_steps=4), SlowValidation(GPTConfig(**TINY)), WithValidation(),
+        max_steps=4, val_check_interval=2, limit_val_batches=1, num_sanity_val_steps=0,
+    )
+    (step_time,) = logger.series("perf/step_time")
+    assert step_time < 0.25
+
+
+def test_no_mfu_on_cpu_without_a_peak(tmp_path):
+    _, logger = fit(tmp_path, ThroughputMonitor(log_every_n_steps=3))
+    assert logger.series("perf/tokens_per_sec") and not logger.series("perf/mfu")
+
+
+@pytest.mark.parametrize(("name", "precision", "peak"), [
+    ("NVIDIA H100 80GB HBM3", "bf16-mixed", 989.4e12),
+    ("NVIDIA H100 PCIe", "16-mixed", 756e12),
+    ("NVIDIA H200", "bf16-true", 989.4e12),
+    ("NVIDIA H200 NVL", "bf16-mixed", 835.5e12),
+    ("NVIDIA A100-SXM4-80GB", "bf16-mixed", 312e12),
+    ("NVIDIA L4", "bf16-mixed", 121e12),
+    ("NVIDIA L40S", "bf16-mixed", 362e12),
+    ("Tesla T4", "16-mixed", 65e12),
+    ("Tesla V100-SXM2-16GB", "bf16-mixed", None),  # no bf16 on Volta
+    ("Some Future GPU", "bf16-mixed", None),
+])
+def test_datasheet_peaks_by_device_name_and_precision(name, precision, peak):
+    assert datasheet_peak_flops(name, precision) == peak
+
+
+def test_fp32_peak_follows_the_matmul_precision():
+    default = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("highest")
+        assert datasheet_peak_flops("NVIDIA A100 80GB PCIe", "32-true") == 19.5e12
+        torch.set_float32_matmul_precision("high")  # TF32 tensor cores
+        assert datasheet_peak_flops("NVIDIA A100 80GB PCIe", "32-true") == 156e12
+        assert datasheet_peak_flops("Tesla T4", "32-true") == 8.1e12  # no TF32 before Ampere
+    finally:
+        torch.set_float32_matmul_precision(default)
+
+
+def test_a_missing_token_key_is_named(tmp_path):
+    with pytest.raises(UserInputError, match="token_key='tokens' is not in the batch"):
+        fit(tmp_path, ThroughputMonitor(token_key="tokens"))
+
+
+def test_bad_peak_is_refused():
+    with pytest.raises(UserInputError, match="peak_flops=0"):
+        ThroughputMonitor(peak_flops=0)
