@@ -63,7 +63,7 @@ def corpus(tmp_path: Path) -> tuple[list[str], list[str]]:
 
 @pytest.fixture
 def dataset(tmp_path: Path) -> Path:
-    """~4k byte tokens: 200 windows of 16 tokens in train, some in val."""
+    """~4k byte tokens: about 230 train windows of 16 tokens (58 batches of 4), some val windows."""
     src = tmp_path / "src.jsonl"
     src.write_text("".join(json.dumps({"text": d}) + "\n" for d in sentences(30)))
     return prepare([str(src)], tmp_path / "data", val_fraction=0.1, num_workers=0)

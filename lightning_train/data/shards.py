@@ -90,6 +90,7 @@ def prepare(
     out.parent.mkdir(parents=True, exist_ok=True)
     # A sibling folder: same filesystem, so the final rename is atomic.
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    tmp.chmod(0o755)  # mkdtemp makes it private; the dataset should be as readable as a normal folder
     try:
         meta = _write_shards(tmp, tok, files, val_fraction, jsonl_field, num_workers, shard_tokens)
         if meta["total_tokens"] == 0:
