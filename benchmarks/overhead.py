@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         batch_size, steps, warmup, pairs = 4, 6, 2, 1
     else:  # the shape of configs/pretrain-tiny.yaml
         config = GPTConfig(vocab_size=258, block_size=128, n_layer=4, n_head=4, n_embd=128)
-        batch_size, steps, warmup, pairs = 16, 60, 10, args.pairs
+        batch_size, steps, warmup, pairs = 16, 40, 5, args.pairs
     callback_status = health_callbacks()[1]
     batches = make_batches(config, batch_size, steps)
     torch.manual_seed(0)

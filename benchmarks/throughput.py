@@ -185,7 +185,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = base_parser("throughput", __doc__.splitlines()[0], pairs=5).parse_args(argv)
     set_threads(args.threads)
     device = torch.device("cpu")  # the default config is the CPU one
-    steps, warmup, pairs = (4, 1, 1) if args.smoke else (60, 10, args.pairs)
+    steps, warmup, pairs = (4, 1, 1) if args.smoke else (40, 5, args.pairs)
     shrink = SMOKE_SHAPE if args.smoke else []
     machine = machine_info(args.threads)
     rows = {

@@ -6,6 +6,7 @@ import lightning as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
+from torch.utils.data import DataLoader
 
 from lightning_train.models.gpt import GPTConfig
 from lightning_train.modules.pretrain import PretrainModule
@@ -29,7 +30,7 @@ def train_two_steps(config: GPTConfig, compile: bool) -> tuple[PretrainModule, l
     recorder = LossRecorder()
     trainer = L.Trainer(accelerator="cpu", max_steps=2, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, callbacks=[recorder])
-    trainer.fit(module, train_dataloaders=batches)
+    trainer.fit(module, train_dataloaders=DataLoader(batches, batch_size=None))
     return module, recorder.losses
 
 

@@ -1,14 +1,16 @@
 """Crash, preemption and resume with real processes, real signals and real files.
 
 One tiny deterministic run (12 steps, checkpoints every 3, validation every 4, dropout on, shuffled
-data) is the reference. Interrupted copies of it are killed (SIGKILL) or preempted (SIGTERM/SIGUSR1)
-at exact points and restarted with ``--resume auto`` until they finish; their final weights, optimizer
-state, RNG states and callback state must equal the reference bit for bit, and they must have trained
-on exactly the same batches.
+TextDataModule over a small prepared dataset) is the reference. Interrupted copies of it are killed
+(SIGKILL) or preempted (SIGTERM/SIGUSR1) at exact points and restarted with ``--resume auto`` until
+they finish; their final weights, optimizer state, RNG states and callback state must equal the
+reference bit for bit, and they must have trained on exactly the same batches.
 """
 
 from __future__ import annotations
 
+import json
+import random
 import signal
 import subprocess
 import sys
@@ -20,12 +22,23 @@ import torch
 import yaml
 
 from lightning_train.callbacks.preemption import PREEMPTED_EXIT_CODE
+from lightning_train.data import prepare
 from tests.conftest import REPO, cli_env
 
 MAX_STEPS = 12
 
 
-def write_config(folder: Path, devices: int = 1, callbacks: tuple[dict, ...] = (),
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """About 65 windows of 16 tokens: 16 batches of 4 per epoch on one rank, 8 per rank on two."""
+    folder = tmp_path_factory.mktemp("data")
+    words, rng = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta"], random.Random(0)
+    lines = [json.dumps({"text": " ".join(rng.choice(words) for _ in range(4))}) for _ in range(60)]
+    (folder / "docs.jsonl").write_text("\n".join(lines) + "\n")
+    return prepare([str(folder / "docs.jsonl")], str(folder / "tokens"), val_fraction=0.2, num_workers=0)
+
+
+def write_config(folder: Path, data_dir: Path, devices: int = 1, callbacks: tuple[dict, ...] = (),
                  plugins: tuple[dict, ...] = (), n_embd: int = 16) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     config = {
@@ -52,8 +65,8 @@ def write_config(folder: Path, devices: int = 1, callbacks: tuple[dict, ...] = (
             "config": {"vocab_size": 258, "block_size": 16, "n_layer": 1, "n_head": 2, "n_embd": n_embd,
                        "dropout": 0.1},
             "warmup_steps": 2, "learning_rate": 0.01}},
-        "data": {"class_path": "tests.helpers.ft_data.RandomTokenDataModule",
-                 "init_args": {"num_samples": 48, "batch_size": 4}},
+        "data": {"class_path": "lightning_train.TextDataModule",
+                 "init_args": {"data_dir": str(data_dir), "seq_len": 16, "batch_size": 4, "val_batches": 3}},
     }
     path = folder / "config.yaml"
     path.write_text(yaml.safe_dump(config))
@@ -121,16 +134,17 @@ def run_until_done(config: Path, expected_codes: list[int]) -> list[subprocess.C
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def reference(tmp_path_factory: pytest.TempPathFactory, data_dir: Path) -> dict[str, Any]:
     folder = tmp_path_factory.mktemp("reference")
-    result = fit(write_config(folder))
+    result = fit(write_config(folder, data_dir))
     assert result.returncode == 0, result.stdout[-3000:]
     assert "--resume auto: no checkpoint in" in result.stdout and "starting fresh" in result.stdout
     return {"folder": folder, "state": final_state(folder), "batches": batches(folder)}
 
 
-def test_sigterm_checkpoints_exits_75_and_resumes_exactly(tmp_path: Path, reference: dict[str, Any]) -> None:
-    config = write_config(tmp_path, callbacks=(fault(["train:4"], tmp_path, "SIGTERM"),))
+def test_sigterm_checkpoints_exits_75_and_resumes_exactly(tmp_path: Path, reference: dict[str, Any],
+                                                          data_dir: Path) -> None:
+    config = write_config(tmp_path, data_dir, callbacks=(fault(["train:4"], tmp_path, "SIGTERM"),))
     preempted, finished = run_until_done(config, [PREEMPTED_EXIT_CODE, 0])
 
     # the step in progress (the 5th) was finished, then saved atomically with its manifest
@@ -144,12 +158,13 @@ def test_sigterm_checkpoints_exits_75_and_resumes_exactly(tmp_path: Path, refere
 
 
 @pytest.mark.slow
-def test_sigkill_anywhere_then_resume_is_bitwise_exact(tmp_path: Path, reference: dict[str, Any]) -> None:
+def test_sigkill_anywhere_then_resume_is_bitwise_exact(tmp_path: Path, reference: dict[str, Any],
+                                                       data_dir: Path) -> None:
     # killed mid-interval (last checkpoint: step 3), right after the checkpoint of step 6, in the middle
     # of the validation after step 8, and half-way through writing the checkpoint of step 9
     points = ["train:4", "train:6", "val:8"]
     config = write_config(
-        tmp_path, callbacks=(fault(points, tmp_path),),
+        tmp_path, data_dir, callbacks=(fault(points, tmp_path),),
         plugins=({"class_path": "tests.helpers.ft_callbacks.KillDuringWriteIO",
                   "init_args": {"step": 9, "marker_dir": str(tmp_path / "markers")}},),
     )
@@ -165,7 +180,8 @@ def test_sigkill_anywhere_then_resume_is_bitwise_exact(tmp_path: Path, reference
     assert batches(tmp_path) == reference["batches"]
 
 
-def test_truncated_newest_checkpoint_is_skipped(tmp_path: Path, reference: dict[str, Any]) -> None:
+def test_truncated_newest_checkpoint_is_skipped(tmp_path: Path, reference: dict[str, Any],
+                                                data_dir: Path) -> None:
     # the reference's checkpoints minus the final steps, with the newest one cut short on disk
     checkpoints = tmp_path / "run" / "checkpoints"
     checkpoints.mkdir(parents=True)
@@ -176,17 +192,18 @@ def test_truncated_newest_checkpoint_is_skipped(tmp_path: Path, reference: dict[
     newest = checkpoints / "epoch=0-step=9.ckpt"
     newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])
 
-    result = fit(write_config(tmp_path))
+    result = fit(write_config(tmp_path, data_dir))
     assert result.returncode == 0, result.stdout[-3000:]
     assert f"skipping checkpoint {newest}" in result.stdout and "truncated" in result.stdout
     assert f"resuming from {checkpoints}/epoch=0-step=6.ckpt" in result.stdout
     assert_same(final_state(tmp_path), reference["state"])
 
 
-def test_checkpoint_of_another_model_shape_is_one_error(tmp_path: Path, reference: dict[str, Any]) -> None:
+def test_checkpoint_of_another_model_shape_is_one_error(tmp_path: Path, reference: dict[str, Any],
+                                                        data_dir: Path) -> None:
     source = reference["folder"] / "run" / "checkpoints" / "epoch=0-step=6.ckpt"
     before = source.read_bytes()
-    result = fit(write_config(tmp_path, n_embd=32), "--resume", str(source))
+    result = fit(write_config(tmp_path, data_dir, n_embd=32), "--resume", str(source))
     assert result.returncode == 2, result.stdout[-3000:]
     error = result.stdout.strip().splitlines()[-1]
     assert error.startswith(f"error: checkpoint {source} does not fit this model")
@@ -196,14 +213,14 @@ def test_checkpoint_of_another_model_shape_is_one_error(tmp_path: Path, referenc
 
 
 @pytest.mark.slow
-def test_two_rank_ddp_kill_and_one_rank_preempted_resume_exactly(tmp_path: Path) -> None:
+def test_two_rank_ddp_kill_and_one_rank_preempted_resume_exactly(tmp_path: Path, data_dir: Path) -> None:
     rank_seed = {"class_path": "tests.helpers.ft_callbacks.RankSeed"}
     reference = tmp_path / "reference"
-    assert fit(write_config(reference, devices=2, callbacks=(rank_seed,))).returncode == 0
+    assert fit(write_config(reference, data_dir, devices=2, callbacks=(rank_seed,))).returncode == 0
 
     # all ranks SIGKILLed after step 4; later only rank 1 gets SIGUSR1 during step 8: both stop after it
     interrupted = tmp_path / "interrupted"
-    config = write_config(interrupted, devices=2, callbacks=(
+    config = write_config(interrupted, data_dir, devices=2, callbacks=(
         rank_seed, fault(["train:4"], interrupted), fault(["train:7"], interrupted, "SIGUSR1", rank=1),
     ))
     run_until_done(config, [-signal.SIGKILL, PREEMPTED_EXIT_CODE, 0])

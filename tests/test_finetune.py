@@ -166,3 +166,20 @@ def test_key_and_shape_mismatch_names_the_keys(tmp_path):
     deeper = GPTConfig(**(CONFIG | {"n_layer": 3}))
     with pytest.raises(UserInputError, match=r"missing: blocks\.2\.attn_norm\.weight"):
         loaded(folder / "model.safetensors", config=deeper)
+
+
+def test_meta_device_model_gets_its_weights_after_materialisation(tmp_path):
+    """What a strategy that builds on the meta device does: configure_model under meta, materialise
+    with each module's reset_parameters, then on_fit_start loads init_from (LoRA B back to zero)."""
+    path, trained = make_checkpoint(tmp_path)
+    module = FinetuneModule(str(path), lora=LoRAConfig(rank=2))
+    with torch.device("meta"):
+        module.configure_model()
+    assert all(p.is_meta for p in module.model.parameters())
+    module.model.to_empty(device="cpu")
+    for submodule in module.model.modules():
+        if hasattr(submodule, "reset_parameters"):
+            submodule.reset_parameters()
+    module.on_fit_start()
+    assert all(layer.lora_B["default"].weight.abs().sum() == 0 for _, layer in lora_layers(module.model))
+    torch.testing.assert_close(logits(module.model.eval()), logits(trained), atol=1e-4, rtol=0)

@@ -10,6 +10,7 @@ import lightning as L
 import pytest
 import torch
 from torch import nn
+from torch.utils.data import DataLoader
 
 from lightning_train.errors import UserInputError
 from lightning_train.models.float8 import check_float8_device, convert_to_float8
@@ -56,7 +57,7 @@ def test_pretrain_module_refuses_float8_on_cpu_before_training(tiny_config: GPTC
     trainer = L.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False)
     with pytest.raises(UserInputError, match="this run is on 'cpu'"):
-        trainer.fit(module, train_dataloaders=[batch])
+        trainer.fit(module, train_dataloaders=DataLoader([batch], batch_size=None))
     assert trainer.global_step == 0
 
 

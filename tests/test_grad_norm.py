@@ -113,7 +113,8 @@ def test_logged_grad_norms_equal_independent_norms_of_the_same_gradients(clipped
     expected = [norms_by_group(recorder.grads[step]) for step in (1, 3, 5)]  # logging steps 2, 4, 6
     assert [step for step, _ in logger.rows] == [1, 3, 5]  # the rows of train/loss at those steps
     for group in ("embeddings", "block.0", "block.1", "head"):
-        assert logger.series(f"health/grad_norm/{group}") == pytest.approx([e[group] for e in expected], rel=1e-5)
+        logged = logger.series(f"health/grad_norm/{group}")
+        assert logged == pytest.approx([e[group] for e in expected], rel=1e-5)
     assert logger.series("health/grad_norm") == pytest.approx([e["total"] for e in expected], rel=1e-5)
     # The latest pre-clip total norm stays on the device for other callbacks.
     assert isinstance(monitor.last_total_norm, torch.Tensor)
@@ -201,31 +202,41 @@ def test_clip_counters_survive_a_checkpoint():
 
 
 # ---- data parallel: the same global batch gives the same norm -----------------------------------
-def _cli_run(tmp_path: Path, devices: int, batch_size: int) -> list[float]:
+def _cli_run(tmp_path: Path, devices: int, batch_size: int, strategy: str = "auto") -> list[float]:
+    """``health/grad_norm`` of 3 steps of the CLI, logging every step."""
+    root = tmp_path / f"run-{strategy}-{devices}"
     config = {
         "trainer": {
-            "accelerator": "cpu", "devices": devices, "strategy": "ddp" if devices > 1 else "auto",
+            "accelerator": "cpu", "devices": devices, "strategy": strategy, "default_root_dir": str(root),
             "max_steps": 3, "log_every_n_steps": 1, "enable_progress_bar": False,
-            "default_root_dir": str(tmp_path / f"run{devices}"),
             "callbacks": [{"class_path": "lightning_train.callbacks.GradNormMonitor"}],
         },
         "model": {"class_path": "lightning_train.PretrainModule",
                   "init_args": {"config": TINY, "learning_rate": 1e-2, "warmup_steps": 1}},
         "data": {"class_path": "tests.test_grad_norm.FixedBatches", "init_args": {"batch_size": batch_size}},
     }
-    path = tmp_path / f"config{devices}.json"
+    path = tmp_path / f"config-{strategy}-{devices}.json"
     path.write_text(json.dumps(config))
     result = run_cli("fit", "--config", str(path), cwd=tmp_path, timeout=240)
     assert result.returncode == 0, result.stderr[-3000:]
-    with open(tmp_path / f"run{devices}" / "version_0" / "metrics.csv") as f:
+    with open(root / "version_0" / "metrics.csv") as f:
         return [float(row["health/grad_norm"]) for row in csv.DictReader(f) if row.get("health/grad_norm")]
 
 
+@pytest.fixture(scope="module")
+def single_process_norms(tmp_path_factory) -> list[float]:
+    return _cli_run(tmp_path_factory.mktemp("single"), devices=1, batch_size=8)
+
+
 @pytest.mark.slow
-def test_ddp_on_two_ranks_logs_the_norm_of_a_single_process_run(tmp_path):
-    single, ddp = _cli_run(tmp_path, devices=1, batch_size=8), _cli_run(tmp_path, devices=2, batch_size=4)
-    assert len(single) == len(ddp) == 3
-    assert ddp == pytest.approx(single, rel=1e-5)
+@pytest.mark.parametrize("strategy", ["ddp", "lt_fsdp"])
+def test_two_ranks_log_the_norm_of_a_single_process_run(tmp_path, strategy, single_process_norms):
+    """The same global batch (8 rows) in 1 process or split over 2 gloo ranks: DDP (replicated,
+    averaged gradients) or this package's FSDP2 strategy (DTensor gradient shards)."""
+    single = single_process_norms
+    parallel = _cli_run(tmp_path, devices=2, batch_size=4, strategy=strategy)
+    assert len(single) == len(parallel) == 3
+    assert parallel == pytest.approx(single, rel=1e-5)
 
 
 # ---- FSDP2: DTensor gradients, all-reduced sums of squares --------------------------------------
@@ -260,6 +271,7 @@ def _fsdp_worker(out_dir: str) -> None:
     torch.distributed.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_fsdp2_sharded_gradients_give_the_full_norm_on_every_rank(tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",

@@ -60,7 +60,8 @@ def test_growth_is_counted(tmp_path):
     trainer = L.Trainer(
         default_root_dir=tmp_path, max_steps=5, accelerator="cpu", log_every_n_steps=5,
         logger=CSVLogger(tmp_path, name="", version=0), enable_progress_bar=False, enable_model_summary=False,
-        callbacks=[LossScaleMonitor()], plugins=[AmpPrecision("16-mixed", "cpu", init_scale=8.0, growth_interval=2)],
+        callbacks=[LossScaleMonitor()],
+        plugins=[AmpPrecision("16-mixed", "cpu", init_scale=8.0, growth_interval=2)],
     )
     trainer.fit(PretrainModule(TINY, warmup_steps=2), PatternDataModule(batch_size=4))
     assert amp_series(tmp_path, "amp/growth_count") == [2]

@@ -25,6 +25,7 @@ def fit(tmp_path, callbacks, max_steps=8, plugin=None, ckpt_path=None, **trainer
         enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,
         plugins=[plugin or AmpPrecision("16-mixed", "cpu", init_scale=2.0**10)], **trainer_kwargs,
     )
+    # PretrainModule's hyper-parameters hold a GPTConfig, which weights_only loading refuses.
     trainer.fit(module, PatternDataModule(batch_size=4), ckpt_path=ckpt_path, weights_only=False)
     return trainer, module
 
@@ -63,7 +64,9 @@ def test_16_mixed_on_cpu_scales_for_real_with_configured_settings():
     assert AmpPrecision("bf16-mixed", "cpu").scaler is None
 
 
-@pytest.mark.parametrize("kwargs", [{"precision": "32-true"}, {"backoff_factor": 1.5}, {"growth_interval": 0}])
+@pytest.mark.parametrize(
+    "kwargs", [{"precision": "32-true"}, {"backoff_factor": 1.5}, {"growth_interval": 0}]
+)
 def test_bad_settings_are_user_errors(kwargs):
     with pytest.raises(UserInputError, match="AmpPrecision"):
         AmpPrecision(**{"device": "cpu", **kwargs})
@@ -95,7 +98,8 @@ def test_overflow_step_changes_nothing_and_holds_the_lr_schedule(tmp_path):
 
 
 def test_gradient_clipping_works_with_fused_adamw(tmp_path):
-    trainer, _ = fit(tmp_path, [], max_steps=2, gradient_clip_val=0.5)  # Lightning's MixedPrecision raises here
+    # Lightning's MixedPrecision refuses to clip for a fused optimizer
+    trainer, _ = fit(tmp_path, [], max_steps=2, gradient_clip_val=0.5)
     assert trainer.global_step == 2
 
 

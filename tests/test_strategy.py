@@ -37,17 +37,27 @@ def test_bad_options_name_the_value():
 
 
 def test_mesh_that_does_not_divide_the_world_fails_before_launch():
-    with pytest.raises(UserInputError, match=r"replicate_size=3 does not divide the world size 2 .*devices=2"):
-        L.Trainer(strategy=DataParallelStrategy(sharding="fsdp", replicate_size=3), accelerator="cpu", devices=2)
+    with pytest.raises(
+        UserInputError, match=r"replicate_size=3 does not divide the world size 2 .*devices=2"
+    ):
+        L.Trainer(
+            strategy=DataParallelStrategy(sharding="fsdp", replicate_size=3), accelerator="cpu", devices=2
+        )
 
 
 def test_memory_estimate_counts_adamw_states_and_shards(tiny_config):
     model = GPT(tiny_config)
     estimate = estimate_memory(model, shard_size=2, batch_size=4, seq_len=32)
     params = model.num_params() * 4  # tied embedding counted once
-    assert (estimate.param_bytes, estimate.grad_bytes, estimate.optimizer_bytes) == (params, params, 2 * params)
+    assert (estimate.param_bytes, estimate.grad_bytes, estimate.optimizer_bytes) == (
+        params,
+        params,
+        2 * params,
+    )
     assert estimate.activation_bytes > 0 and estimate.fsdp_bytes < estimate.ddp_bytes
-    with_checkpointing = estimate_memory(model, shard_size=2, batch_size=4, seq_len=32, activation_checkpointing=True)
+    with_checkpointing = estimate_memory(
+        model, shard_size=2, batch_size=4, seq_len=32, activation_checkpointing=True
+    )
     assert with_checkpointing.activation_bytes < estimate.activation_bytes
     assert choose_sharding(estimate, budget_bytes=estimate.ddp_bytes // 2) == "fsdp"
     assert choose_sharding(estimate, budget_bytes=2 * estimate.ddp_bytes) == "ddp"
@@ -110,10 +120,16 @@ def test_incompatible_sharded_checkpoint_names_keys_and_shapes(tmp_path, tiny_co
 
 def test_consolidate_cli(tmp_path, tiny_config):
     _sharded_checkpoint(tmp_path / "ckpt", tiny_config)
-    result = run_cli("consolidate", "--checkpoint", str(tmp_path / "ckpt"), "--output", str(tmp_path / "out"),
-                     cwd=tmp_path)
+    result = run_cli(
+        "consolidate", "--checkpoint", str(tmp_path / "ckpt"), "--output", str(tmp_path / "out"), cwd=tmp_path
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     assert (tmp_path / "out" / "model.safetensors").is_file() and (tmp_path / "out" / "config.json").is_file()
-    missing = run_cli("consolidate", "--checkpoint", str(tmp_path / "nope"), "--output", str(tmp_path / "o2"),
-                      cwd=tmp_path)
-    assert missing.returncode == 2 and "error: checkpoint" in missing.stderr and "does not exist" in missing.stderr
+    missing = run_cli(
+        "consolidate", "--checkpoint", str(tmp_path / "nope"), "--output", str(tmp_path / "o2"), cwd=tmp_path
+    )
+    assert (
+        missing.returncode == 2
+        and "error: checkpoint" in missing.stderr
+        and "does not exist" in missing.stderr
+    )

@@ -29,9 +29,13 @@ def _fit(tmp_path: Path, name: str, *args: str) -> tuple[list[dict], str]:
     """Run ``fit`` with the probe; returns the per-rank reports and stderr."""
     out = tmp_path / "probe" / name
     result = run_cli(
-        "fit", *args, f"--trainer.default_root_dir={tmp_path / name}",
-        "--trainer.callbacks+=strategy_probe.StrategyProbe", f"--trainer.callbacks.output_dir={out}",
-        cwd=tmp_path, env=ENV,
+        "fit",
+        *args,
+        f"--trainer.default_root_dir={tmp_path / name}",
+        "--trainer.callbacks+=strategy_probe.StrategyProbe",
+        f"--trainer.callbacks.output_dir={out}",
+        cwd=tmp_path,
+        env=ENV,
     )
     assert result.returncode == 0, result.stderr[-4000:]
     reports = [json.loads(path.read_text()) for path in sorted(out.glob("rank*.json"))]
@@ -55,21 +59,45 @@ def test_single_process_ddp_and_fsdp_agree_step_by_step(tmp_path, small_dataset)
     """Same global batch of 8 and seed: 1 process x 8, ddp 2 ranks x 2 x 2 accumulation micro-steps,
     fsdp (picked by "auto" under a tiny memory budget, with activation checkpointing) 2 ranks x 4."""
     common = [
-        "--config", FSDP_CONFIG, *(f"--model.init_args.config.{k}={v}" for k, v in TINY.items()),
-        "--model.init_args.warmup_steps=2", "--model.init_args.decay_steps=100",
-        "--model.init_args.learning_rate=3e-3", f"--data.init_args.data_dir={small_dataset}",
-        "--data.init_args.seq_len=16", "--trainer.max_steps=12", "--trainer.limit_val_batches=0",
-        "--trainer.gradient_clip_val=0.2", "--trainer.enable_progress_bar=false",
+        "--config",
+        FSDP_CONFIG,
+        *(f"--model.init_args.config.{k}={v}" for k, v in TINY.items()),
+        "--model.init_args.warmup_steps=2",
+        "--model.init_args.decay_steps=100",
+        "--model.init_args.learning_rate=3e-3",
+        f"--data.init_args.data_dir={small_dataset}",
+        "--data.init_args.seq_len=16",
+        "--trainer.max_steps=12",
+        "--trainer.limit_val_batches=0",
+        "--trainer.gradient_clip_val=0.2",
+        "--trainer.enable_progress_bar=false",
     ]
-    [single], _ = _fit(tmp_path, "single", *common, "--trainer.devices=1", "--trainer.strategy=auto",
-                       "--data.init_args.batch_size=8")
-    ddp, ddp_log = _fit(tmp_path, "ddp", *common, "--trainer.strategy.init_args.sharding=ddp",
-                        "--trainer.strategy.init_args.comm_hook=bf16_compress", "--data.init_args.batch_size=2",
-                        "--trainer.accumulate_grad_batches=2")
-    fsdp, fsdp_log = _fit(tmp_path, "fsdp", *common, "--trainer.strategy.init_args.sharding=auto",
-                          "--trainer.strategy.init_args.memory_budget_gb=0.0001",
-                          "--trainer.strategy.init_args.activation_checkpointing=true",
-                          "--data.init_args.batch_size=4")
+    [single], _ = _fit(
+        tmp_path,
+        "single",
+        *common,
+        "--trainer.devices=1",
+        "--trainer.strategy=auto",
+        "--data.init_args.batch_size=8",
+    )
+    ddp, ddp_log = _fit(
+        tmp_path,
+        "ddp",
+        *common,
+        "--trainer.strategy.init_args.sharding=ddp",
+        "--trainer.strategy.init_args.comm_hook=bf16_compress",
+        "--data.init_args.batch_size=2",
+        "--trainer.accumulate_grad_batches=2",
+    )
+    fsdp, fsdp_log = _fit(
+        tmp_path,
+        "fsdp",
+        *common,
+        "--trainer.strategy.init_args.sharding=auto",
+        "--trainer.strategy.init_args.memory_budget_gb=0.0001",
+        "--trainer.strategy.init_args.activation_checkpointing=true",
+        "--data.init_args.batch_size=4",
+    )
 
     assert single["strategy"] == "SingleDeviceStrategy" and len(ddp) == len(fsdp) == 2
     assert [r["sharding"] for r in ddp + fsdp] == ["ddp", "ddp", "fsdp", "fsdp"]
@@ -91,7 +119,7 @@ def test_single_process_ddp_and_fsdp_agree_step_by_step(tmp_path, small_dataset)
     assert "comm_hook='bf16_compress' is not supported on the gloo backend" in ddp_log
     assert all(rank["registered_comm_hook"] is None for rank in ddp)
 
-    assert "sharding='auto') chose 'fsdp'" in fsdp_log and "budget 0.0001 GiB" in fsdp_log
+    assert "sharding='auto') chose 'fsdp'" in fsdp_log and "budget 104.9 KiB per device" in fsdp_log
     last = tmp_path / "fsdp" / "checkpoints" / "last.ckpt"
     assert last.is_dir() and {"meta.pt", ".metadata", "manifest.json"} <= {p.name for p in last.iterdir()}
 
@@ -99,12 +127,29 @@ def test_single_process_ddp_and_fsdp_agree_step_by_step(tmp_path, small_dataset)
 def _pattern_config(tmp_path: Path) -> str:
     config = {
         "seed_everything": 1234,
-        "trainer": {"accelerator": "cpu", "devices": 2, "precision": "32-true", "limit_val_batches": 0,
-                    "enable_progress_bar": False, "enable_model_summary": False, "gradient_clip_val": 0.5},
-        "model": {"class_path": "lightning_train.PretrainModule", "init_args": {
-            "config": {**TINY, "vocab_size": 64}, "learning_rate": 3e-3, "warmup_steps": 2, "decay_steps": 100}},
+        "trainer": {
+            "accelerator": "cpu",
+            "devices": 2,
+            "precision": "32-true",
+            "limit_val_batches": 0,
+            "enable_progress_bar": False,
+            "enable_model_summary": False,
+            "gradient_clip_val": 0.5,
+        },
+        "model": {
+            "class_path": "lightning_train.PretrainModule",
+            "init_args": {
+                "config": {**TINY, "vocab_size": 64},
+                "learning_rate": 3e-3,
+                "warmup_steps": 2,
+                "decay_steps": 100,
+            },
+        },
         # 48 samples = 6 global batches of 8 per epoch, the same order every epoch
-        "data": {"class_path": "strategy_probe.PatternDataModule", "init_args": {"samples": 48, "batch_size": 4}},
+        "data": {
+            "class_path": "strategy_probe.PatternDataModule",
+            "init_args": {"samples": 48, "batch_size": 4},
+        },
     }
     (tmp_path / "pattern.yaml").write_text(yaml.safe_dump(config))
     return str(tmp_path / "pattern.yaml")
@@ -112,9 +157,16 @@ def _pattern_config(tmp_path: Path) -> str:
 
 def test_ddp_comm_hook_is_registered_where_gloo_supports_it(tmp_path):
     config = _pattern_config(tmp_path)
-    reports, log = _fit(tmp_path, "hook", "--config", config, "--trainer.max_steps=2",
-                        "--trainer.strategy=lightning_train.strategies.DataParallelStrategy",
-                        "--trainer.strategy.sharding=ddp", "--trainer.strategy.comm_hook=fp16_compress")
+    reports, log = _fit(
+        tmp_path,
+        "hook",
+        "--config",
+        config,
+        "--trainer.max_steps=2",
+        "--trainer.strategy=lightning_train.strategies.DataParallelStrategy",
+        "--trainer.strategy.sharding=ddp",
+        "--trainer.strategy.comm_hook=fp16_compress",
+    )
     assert [r["registered_comm_hook"] for r in reports] == ["fp16_compress_hook"] * 2
     assert "DDP comm hook 'fp16_compress' registered" in log
 
@@ -123,16 +175,32 @@ def test_sharded_checkpoint_resumes_on_1_then_2_ranks_and_consolidates(tmp_path)
     """fsdp 2 ranks for 18 steps; resume its step-6 checkpoint on 1 rank to step 12, that one on 2 ranks
     to step 18: the same losses as the uninterrupted run. Then export and reject a wrong model."""
     config = _pattern_config(tmp_path)
-    every_6 = ["--trainer.callbacks+=ModelCheckpoint", "--trainer.callbacks.every_n_train_steps=6",
-               "--trainer.callbacks.save_top_k=-1"]
+    every_6 = [
+        "--trainer.callbacks+=ModelCheckpoint",
+        "--trainer.callbacks.every_n_train_steps=6",
+        "--trainer.callbacks.save_top_k=-1",
+    ]
     fsdp = ["--config", config, "--trainer.strategy=lt_fsdp"]
     [a0, _], _ = _fit(tmp_path, "a", *fsdp, "--trainer.max_steps=18", *every_6)
     step_6 = tmp_path / "a" / "checkpoints" / "epoch=0-step=6.ckpt"
-    [b0], _ = _fit(tmp_path, "b", *fsdp, "--trainer.max_steps=12", "--trainer.devices=1",
-                   "--data.init_args.batch_size=8", *every_6, f"--ckpt_path={step_6}")
+    [b0], _ = _fit(
+        tmp_path,
+        "b",
+        *fsdp,
+        "--trainer.max_steps=12",
+        "--trainer.devices=1",
+        "--data.init_args.batch_size=8",
+        *every_6,
+        f"--ckpt_path={step_6}",
+    )
     _assert_losses_equal(b0["losses"], a0["losses"][6:12])
-    [c0, _], _ = _fit(tmp_path, "c", *fsdp, "--trainer.max_steps=18",
-                      f"--ckpt_path={tmp_path / 'b' / 'checkpoints' / 'epoch=1-step=12.ckpt'}")
+    [c0, _], _ = _fit(
+        tmp_path,
+        "c",
+        *fsdp,
+        "--trainer.max_steps=18",
+        f"--ckpt_path={tmp_path / 'b' / 'checkpoints' / 'epoch=1-step=12.ckpt'}",
+    )
     _assert_losses_equal(c0["losses"], a0["losses"][12:18])
 
     # the consolidated weights give the loss the 1-rank resume saw on its first batch
@@ -145,9 +213,17 @@ def test_sharded_checkpoint_resumes_on_1_then_2_ranks_and_consolidates(tmp_path)
         loss = F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
     assert loss.item() == pytest.approx(b0["losses"][0], abs=2e-5)
 
-    wrong = run_cli("fit", *fsdp, "--trainer.devices=1", "--model.init_args.config.n_embd=64",
-                    "--trainer.max_steps=7", f"--trainer.default_root_dir={tmp_path / 'wrong'}",
-                    f"--ckpt_path={step_6}", cwd=tmp_path, env=ENV)
+    wrong = run_cli(
+        "fit",
+        *fsdp,
+        "--trainer.devices=1",
+        "--model.init_args.config.n_embd=64",
+        "--trainer.max_steps=7",
+        f"--trainer.default_root_dir={tmp_path / 'wrong'}",
+        f"--ckpt_path={step_6}",
+        cwd=tmp_path,
+        env=ENV,
+    )
     assert wrong.returncode == 2, wrong.stderr[-3000:]
     assert "does not fit this model" in wrong.stderr
     assert "model.embed.weight: checkpoint (64, 32) vs model (64, 64)" in wrong.stderr

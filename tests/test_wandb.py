@@ -53,15 +53,16 @@ def test_offline_run_file_holds_dashboard_history_config_and_alerts(tmp_path, mo
                          config={"api_key": FAKE_API_KEY, "note": f"uses {FAKE_TOKEN}", "pad_token": "<pad>"})
     trainer = L.Trainer(
         max_steps=6, logger=logger, callbacks=[PerfAndAlert()], log_every_n_steps=1, val_check_interval=3,
-        limit_val_batches=2, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        accelerator="cpu", default_root_dir=tmp_path,
+        limit_val_batches=2, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, accelerator="cpu", default_root_dir=tmp_path,
     )
     trainer.fit(PretrainModule(tiny_config, warmup_steps=2), TokenBatches())
     wandb.finish()
 
     (run_file,) = find_run_files(tmp_path / "wandb")
     run = read_run(run_file)
-    assert {"train/loss", "train/lr", "val/loss", "val/ppl", "perf/tokens_per_sec", STEP_METRIC} <= run.history_keys()
+    expected = {"train/loss", "train/lr", "val/loss", "val/ppl", "perf/tokens_per_sec", STEP_METRIC}
+    assert expected <= run.history_keys()
     assert [row[STEP_METRIC] for row in run.history if "train/loss" in row] == [0, 1, 2, 3, 4, 5]
 
     for namespace in NAMESPACES:

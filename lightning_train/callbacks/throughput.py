@@ -56,7 +56,8 @@ class ThroughputMonitor(Callback):
     MFU is model FLOPs (``flops_per_token(seq_len)`` of the LightningModule or its ``.model``, e.g.
     ``GPT``: 6 per weight plus attention) per second over the peak of all devices: ``peak_flops``
     per device if given, else the datasheet value of the GPU and the Trainer's precision. It is not
-    logged when either is unknown (e.g. on CPU without ``peak_flops``).
+    logged when either is unknown (e.g. on CPU without ``peak_flops``). Nothing is checkpointed: after
+    a resume the first interval starts at the resumed step.
 
     Args:
         log_every_n_steps: optimizer steps between logs; None: the Trainer's ``log_every_n_steps``.

@@ -68,12 +68,13 @@ class TimeToQuality(Callback):
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if trainer.sanity_checking or trainer.state.fn != TrainerFn.FITTING or self._reached():
             return
-        if self.monitor not in trainer.callback_metrics:
+        metrics = trainer.callback_metrics  # the host reads of this callback: once per validation
+        if self.monitor not in metrics:
             raise UserInputError(
                 f"TimeToQuality monitor={self.monitor!r} was not logged in validation; "
-                f"logged metrics: {sorted(trainer.callback_metrics)}. Set monitor to one of them."
+                f"logged metrics: {sorted(metrics)}. Set monitor to one of them."
             )
-        value = float(trainer.callback_metrics[self.monitor])  # one host read per validation
+        value = float(metrics[self.monitor])
         better = min if self.mode == "min" else max
         self._best = value if self._best is None else better(self._best, value)
         reached = value <= self.target if self.mode == "min" else value >= self.target

@@ -69,7 +69,8 @@ def report(run_dir: str, output_dir: str | None = None) -> dict[str, Any]:
     series, resumed_at, alerts = load_run(run_dir)
     out = Path(output_dir) if output_dir else Path(run_dir) / "report"
     out.mkdir(parents=True, exist_ok=True)
-    result: dict[str, Any] = {"run_dir": str(run_dir), "plots": {}, "notes": [], "alerts": len(alerts)}
+    result: dict[str, Any] = {"run_dir": str(run_dir), "plots": {}, "notes": [], "alerts": len(alerts),
+                              "resumed_at": resumed_at}
     for name, title, plot in PLOTS:
         figure = Figure(figsize=(9, 4.8), layout="constrained")
         drawn = plot(figure, series, resumed_at, alerts)

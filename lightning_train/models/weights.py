@@ -30,7 +30,7 @@ from lightning_train.models.lora import LoRAConfig
 PICKLE_SUFFIXES = (".ckpt", ".pt", ".pth", ".bin")
 # Plain-value dataclasses that our own checkpoints carry in their hyper-parameters.
 SAFE_GLOBALS = [GPTConfig, LoRAConfig, pathlib.Path, pathlib.PosixPath, pathlib.WindowsPath]
-CONFIG_FORMAT = "lightning_train.GPT"  # the "format" entry of an exported config.json
+MODEL_TYPE = "gpt"  # the "model_type" of our config.json (as the strategies' `consolidate` writes it)
 
 
 def read_weights(path: str | Path, allow_pickle: bool = True) -> dict[str, torch.Tensor]:
@@ -119,7 +119,7 @@ def save_safetensors(model: GPT, output_dir: str | Path) -> Path:
     if model.config.tie_embeddings:
         state_dict.pop("lm_head.weight", None)
     save_file(state_dict, str(output_dir / "model.safetensors"), metadata={"format": "pt"})
-    config = {"format": CONFIG_FORMAT, **dataclasses.asdict(model.config)}
+    config = {"model_type": MODEL_TYPE, **dataclasses.asdict(model.config)}
     (output_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
     return output_dir
 
@@ -133,10 +133,10 @@ def read_gpt_config(path: str | Path) -> GPTConfig:
         values = json.loads(path.read_text(encoding="utf-8"))
     except ValueError as err:
         raise UserInputError(f"config file {str(path)!r} is not valid JSON: {err}") from err
-    if values.pop("format", None) != CONFIG_FORMAT:
+    if values.pop("model_type", None) != MODEL_TYPE:
         raise UserInputError(
-            f"config file {str(path)!r} is not a lightning_train GPT config (its \"format\" is not "
-            f"{CONFIG_FORMAT!r}); for a Hugging Face model pass its folder instead"
+            f"config file {str(path)!r} is not a lightning_train GPT config (its model_type is not "
+            f"{MODEL_TYPE!r}); for a Hugging Face model pass its folder instead"
         )
     fields = {f.name for f in dataclasses.fields(GPTConfig)}
     unknown = sorted(set(values) - fields)
@@ -286,6 +286,6 @@ def _byte_if_fits(config: GPTConfig) -> str | None:
 
 def _is_our_config(path: Path) -> bool:
     try:
-        return json.loads(path.read_text(encoding="utf-8")).get("format") == CONFIG_FORMAT
+        return json.loads(path.read_text(encoding="utf-8")).get("model_type") == MODEL_TYPE
     except (OSError, ValueError):
         return False

@@ -74,18 +74,21 @@ class FinetuneModule(PretrainModule):
     ) -> None:
         self._pretrained = open_pretrained(init_from, config, allow_pickle) if init_from else None
         if self._pretrained is not None:
-            # Rebound before super().__init__ so that save_hyperparameters records the resolved values:
-            # a checkpoint of this module is then a complete source for init_from and `generate`.
             config, tokenizer = self._pretrained.config, tokenizer or self._pretrained.tokenizer
         if config is None:
             raise UserInputError("FinetuneModule needs init_from (the starting weights) or a model config")
+        if isinstance(lora, dict):  # what a command-line override like --model.lora.rank 8 may give
+            lora = LoRAConfig(**lora)
         n_layer = config.n_layer
         if not 0 <= freeze_blocks <= n_layer:
             raise UserInputError(f"freeze_blocks={freeze_blocks} must be between 0 and n_layer={n_layer}")
         super().__init__(
             config, learning_rate, min_lr, warmup_steps, decay_steps, weight_decay, betas, eps, compile
         )
-        self.tokenizer_spec = tokenizer
+        self.tokenizer_spec, self.lora = tokenizer, lora
+        # The resolved values (LightningCLI records hyper-parameters as given, e.g. `config: null`), so
+        # that a checkpoint of this module is a complete source for init_from and `generate`.
+        self.hparams.update(config=self.config, tokenizer=tokenizer, lora=lora)
         self.val_token_acc = MeanMetric()
         self._weights_pending = False
 
@@ -99,8 +102,8 @@ class FinetuneModule(PretrainModule):
                 self._weights_pending = True  # materialised later by the strategy; see on_fit_start
             else:
                 load_into(model, self._pretrained.read_state_dict(), self._pretrained.source)
-        if self.hparams.lora is not None:
-            model = apply_lora(model, self.hparams.lora)
+        if self.lora is not None:
+            model = apply_lora(model, self.lora)
         self._freeze(model)
         self.model = model
         if self.hparams.compile:

@@ -9,4 +9,10 @@ from lightning_train.strategies.memory import MemoryEstimate, estimate_memory
 
 DataParallelStrategy.register_strategies(StrategyRegistry)
 
-__all__ = ["DataParallelStrategy", "MemoryEstimate", "consolidate", "estimate_memory", "load_sharded_model_state"]
+__all__ = [
+    "DataParallelStrategy",
+    "MemoryEstimate",
+    "consolidate",
+    "estimate_memory",
+    "load_sharded_model_state",
+]

@@ -39,7 +39,7 @@ def checkpoint_tensor_shapes(path: str | Path, section: str = "state_dict") -> d
     metadata = FileSystemReader(str(path)).read_metadata().state_dict_metadata
     prefix = section + "."
     return {
-        key[len(prefix):]: tuple(item.size)
+        key[len(prefix) :]: tuple(item.size)
         for key, item in metadata.items()
         if key.startswith(prefix) and isinstance(item, TensorStorageMetadata)
     }
@@ -85,7 +85,9 @@ def load_sharded_model_state(
     if not is_sharded_checkpoint(path):
         raise UserInputError(f"{path} is not a sharded checkpoint folder (it has no {_METADATA_FILENAME})")
     own = get_model_state_dict(model)
-    saved = check_compatible(path, {prefix + key: tuple(value.shape) for key, value in own.items()}, strict=False)
+    saved = check_compatible(
+        path, {prefix + key: tuple(value.shape) for key, value in own.items()}, strict=False
+    )
     missing = [key for key in own if prefix + key not in saved]
     if strict and missing:
         raise UserInputError(
@@ -113,7 +115,9 @@ def read_metadata(path: str | Path, weights_only: bool = True) -> dict[str, Any]
         try:
             return torch.load(file, map_location="cpu", weights_only=weights_only)
         except Exception as error:  # pickle.UnpicklingError for objects outside the allow-list
-            raise UserInputError(f"cannot read {file} safely ({error}); pass the model config explicitly") from error
+            raise UserInputError(
+                f"cannot read {file} safely ({error}); pass the model config explicitly"
+            ) from error
 
 
 def _model_config(metadata: dict[str, Any]) -> GPTConfig | None:
@@ -143,10 +147,12 @@ def consolidate(checkpoint: str, output: str, prefix: str = "model.", overwrite:
     if not source.exists():
         raise UserInputError(f"checkpoint {source} does not exist")
     if (target / MODEL_FILE).exists() and not overwrite:
-        raise UserInputError(f"{target / MODEL_FILE} already exists; choose another --output or pass --overwrite true")
+        raise UserInputError(
+            f"{target / MODEL_FILE} already exists; choose another --output or pass --overwrite true"
+        )
     metadata = read_metadata(source)
     state = _full_state_dict(source, metadata)
-    weights = {key[len(prefix):]: value for key, value in state.items() if key.startswith(prefix)}
+    weights = {key[len(prefix) :]: value for key, value in state.items() if key.startswith(prefix)}
     if not weights:
         raise UserInputError(f"no tensors under prefix {prefix!r} in {source}; pass the right --prefix")
     # safetensors stores each tensor once: tied weights (embed / lm_head) get their own copy
@@ -155,8 +161,13 @@ def consolidate(checkpoint: str, output: str, prefix: str = "model.", overwrite:
     save_file(weights, str(target / MODEL_FILE), metadata={"format": "pt", "source": str(source)})
     config = _model_config(metadata)
     if config is not None:
-        (target / CONFIG_FILE).write_text(json.dumps({"model_type": "gpt", **asdict(config)}, indent=2) + "\n")
-    print(f"wrote {target / MODEL_FILE} ({len(weights)} tensors)" + (f" and {target / CONFIG_FILE}" if config else ""))
+        (target / CONFIG_FILE).write_text(
+            json.dumps({"model_type": "gpt", **asdict(config)}, indent=2) + "\n"
+        )
+    print(
+        f"wrote {target / MODEL_FILE} ({len(weights)} tensors)"
+        + (f" and {target / CONFIG_FILE}" if config else "")
+    )
     return target / MODEL_FILE
 
 

@@ -31,13 +31,19 @@ from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.strategies import ModelParallelStrategy, Strategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_train.errors import UserInputError
 from lightning_train.strategies import checkpoint as sharded
-from lightning_train.strategies.memory import GiB, choose_sharding, device_memory_bytes, estimate_memory
+from lightning_train.strategies.memory import (
+    GiB,
+    choose_sharding,
+    device_memory_bytes,
+    estimate_memory,
+    format_bytes,
+)
 from lightning_train.strategies.parallelize import (
     COMM_HOOKS,
     CommHook,
@@ -100,8 +106,10 @@ class DataParallelStrategy(ModelParallelStrategy):
             raise UserInputError(f"reduce_dtype={reduce_dtype!r} is not 'float32' or 'bfloat16'")
         self.sharding = sharding
         self.ddp_kwargs = dict(
-            bucket_cap_mb=bucket_cap_mb, gradient_as_bucket_view=gradient_as_bucket_view,
-            static_graph=static_graph, find_unused_parameters=find_unused_parameters,
+            bucket_cap_mb=bucket_cap_mb,
+            gradient_as_bucket_view=gradient_as_bucket_view,
+            static_graph=static_graph,
+            find_unused_parameters=find_unused_parameters,
         )
         self.comm_hook = comm_hook
         self.registered_comm_hook: str | None = None  # torch's name for the hook once registered
@@ -111,7 +119,9 @@ class DataParallelStrategy(ModelParallelStrategy):
         self.replicate_size = replicate_size
         self.reduce_dtype = getattr(torch, reduce_dtype)
         self.memory_budget_gb = memory_budget_gb
-        self._restored_by_strategy = False  # True once load_checkpoint has put model + optimizer states in place
+        self._restored_by_strategy = (
+            False  # True once load_checkpoint has put model + optimizer states in place
+        )
 
     # ---- process groups and mesh ---------------------------------------------------------------------
     def _configure_launcher(self) -> None:
@@ -151,8 +161,11 @@ class DataParallelStrategy(ModelParallelStrategy):
             apply_activation_checkpointing(module)
         if self.sharding == "fsdp":
             apply_fsdp(
-                module, self.device_mesh, param_dtype=_LOW_PRECISION.get(self._precision_name),
-                reduce_dtype=self.reduce_dtype, reshard_after_forward=self.reshard_after_forward,
+                module,
+                self.device_mesh,
+                param_dtype=_LOW_PRECISION.get(self._precision_name),
+                reduce_dtype=self.reduce_dtype,
+                reshard_after_forward=self.reshard_after_forward,
                 cpu_offload=self.cpu_offload,
             )
         self.model_to_device()  # FSDP placed its shards; this moves the rest (e.g. metric states)
@@ -187,19 +200,22 @@ class DataParallelStrategy(ModelParallelStrategy):
     def _choose_sharding(self, trainer: pl.Trainer, module: nn.Module) -> str:
         datamodule = getattr(trainer, "datamodule", None)
         estimate = estimate_memory(
-            module, shard_size=self.world_size // self.replicate_size,
-            batch_size=getattr(datamodule, "batch_size", None), seq_len=getattr(datamodule, "seq_len", None),
+            module,
+            shard_size=self.world_size // self.replicate_size,
+            batch_size=getattr(datamodule, "batch_size", None),
+            seq_len=getattr(datamodule, "seq_len", None),
             activation_checkpointing=self.activation_checkpointing,
             activation_dtype=_LOW_PRECISION.get(self._precision_name, torch.float32),
         )
         budget = (
-            int(self.memory_budget_gb * GiB) if self.memory_budget_gb is not None
+            int(self.memory_budget_gb * GiB)
+            if self.memory_budget_gb is not None
             else device_memory_bytes(self.root_device, self.num_processes)
         )
         choice = choose_sharding(estimate, budget)
         rank_zero_info(
             f"DataParallelStrategy(sharding='auto') chose {choice!r}: {estimate.describe()}; "
-            f"budget {budget / GiB:.3f} GiB per device (ddp when it needs <= 80% of it)"
+            f"budget {format_bytes(budget)} per device (ddp when it needs <= 80% of it)"
         )
         return choice
 
@@ -209,13 +225,19 @@ class DataParallelStrategy(ModelParallelStrategy):
         super().teardown()
 
     def reduce(self, tensor: Tensor | Any, group: Any | None = None, reduce_op: Any = "mean") -> Tensor | Any:
-        return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op) if isinstance(tensor, Tensor) else tensor
+        return (
+            _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+            if isinstance(tensor, Tensor)
+            else tensor
+        )
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
         """Clip the gradients of all parameters to a total ``norm_type`` norm of ``max_norm`` and return
         the norm before clipping, the same on every rank (``Trainer(gradient_clip_val=...)`` goes through
         torch's ``clip_grad_norm_`` too, which handles FSDP2's sharded DTensor gradients)."""
-        norm = torch.nn.utils.clip_grad_norm_(self.lightning_module.parameters(), max_norm, norm_type=norm_type)
+        norm = torch.nn.utils.clip_grad_norm_(
+            self.lightning_module.parameters(), max_norm, norm_type=norm_type
+        )
         return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
     # ---- checkpoints --------------------------------------------------------------------------------
@@ -229,7 +251,9 @@ class DataParallelStrategy(ModelParallelStrategy):
             return Strategy.optimizer_state(self, optimizer)
         return super().optimizer_state(optimizer)
 
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None
+    ) -> None:
         if self.sharding == "ddp":  # one ordinary file from rank 0, through the Trainer's CheckpointIO
             Strategy.save_checkpoint(self, checkpoint, filepath, storage_options)
         else:
@@ -266,8 +290,13 @@ class DataParallelStrategy(ModelParallelStrategy):
         elif self.sharding == "fsdp" and path.is_file():  # a full file into a sharded model
             state = {"state_dict": self.lightning_module}
             state.update({f"optimizer_{i}": optimizer for i, optimizer in enumerate(self.optimizers)})
-            metadata = _load_checkpoint(path, state, strict=self.lightning_module.strict_loading,
-                                        optimizer_states_from_list=True, weights_only=weights_only)
+            metadata = _load_checkpoint(
+                path,
+                state,
+                strict=self.lightning_module.strict_loading,
+                optimizer_states_from_list=True,
+                weights_only=weights_only,
+            )
         else:
             return Strategy.load_checkpoint(self, path, weights_only)
         self._restored_by_strategy = True
@@ -322,6 +351,9 @@ class DataParallelStrategy(ModelParallelStrategy):
     def register_strategies(cls, strategy_registry: Any) -> None:
         for sharding in SHARDINGS:
             strategy_registry.register(
-                f"lt_{sharding}", cls, description=f"lightning_train DataParallelStrategy(sharding={sharding!r})",
-                sharding=sharding, override=True,
+                f"lt_{sharding}",
+                cls,
+                description=f"lightning_train DataParallelStrategy(sharding={sharding!r})",
+                sharding=sharding,
+                override=True,
             )

@@ -6,10 +6,13 @@ GPT-style models (Korthikanti et al. 2022, "Reducing Activation Recomputation in
 Models", eq. 2: ``s*b*h*(34 + 5*a*s/h)`` bytes per layer in 16-bit; twice that in fp32), counted only
 when the model exposes a ``config`` with ``n_layer``/``n_embd``/``n_head`` and the batch shape is known.
 
-    >>> from torch import nn
-    >>> estimate = estimate_memory(nn.Linear(1000, 1000), shard_size=2)
-    >>> round(estimate.ddp_bytes / 2**20), round(estimate.fsdp_bytes / 2**20)
-    (15, 8)
+    >>> from lightning_train.models.gpt import GPT, GPTConfig
+    >>> model = GPT(GPTConfig(n_layer=8, n_embd=512, n_head=8))
+    >>> estimate = estimate_memory(model, shard_size=8, batch_size=8, seq_len=256)
+    >>> format_bytes(estimate.model_state_bytes), format_bytes(estimate.activation_bytes)
+    ('394.1 MiB', '868.0 MiB')
+    >>> format_bytes(estimate.ddp_bytes), format_bytes(estimate.fsdp_bytes)
+    ('1.2 GiB', '941.8 MiB')
 """
 
 from __future__ import annotations
@@ -46,16 +49,26 @@ class MemoryEstimate:
     @property
     def fsdp_bytes(self) -> int:
         # +2 blocks: the one computing and the next one being prefetched
-        return self.model_state_bytes // self.shard_size + 2 * self.largest_block_bytes + self.activation_bytes
+        return (
+            self.model_state_bytes // self.shard_size + 2 * self.largest_block_bytes + self.activation_bytes
+        )
 
     def describe(self) -> str:
-        gib = lambda n: f"{n / GiB:.3f} GiB"  # noqa: E731
-        activations = gib(self.activation_bytes) if self.activation_bytes else "not estimated"
+        ddp, fsdp = format_bytes(self.ddp_bytes), format_bytes(self.fsdp_bytes)
+        activations = format_bytes(self.activation_bytes) if self.activation_bytes else "not estimated"
         return (
-            f"params {gib(self.param_bytes)} + grads {gib(self.grad_bytes)} + optimizer state "
-            f"{gib(self.optimizer_bytes)}, activations {activations}; per device: ddp {gib(self.ddp_bytes)}, "
-            f"fsdp over {self.shard_size} shards {gib(self.fsdp_bytes)}"
+            f"params {format_bytes(self.param_bytes)} + grads {format_bytes(self.grad_bytes)} + optimizer "
+            f"state {format_bytes(self.optimizer_bytes)}, activations {activations}; per device: "
+            f"ddp {ddp}, fsdp over {self.shard_size} shards {fsdp}"
         )
+
+
+def format_bytes(n: float) -> str:
+    """``1.5 GiB``, ``12.0 MiB``, ``104.9 KiB``."""
+    for unit, size in (("GiB", GiB), ("MiB", 2**20)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n / 2**10:.1f} KiB"
 
 
 def estimate_memory(
@@ -76,7 +89,9 @@ def estimate_memory(
         param_bytes=param_bytes,
         grad_bytes=trainable_bytes,
         optimizer_bytes=ADAMW_STATES_PER_PARAM * trainable_bytes,
-        activation_bytes=_activation_bytes(model, batch_size, seq_len, activation_checkpointing, activation_dtype),
+        activation_bytes=_activation_bytes(
+            model, batch_size, seq_len, activation_checkpointing, activation_dtype
+        ),
         largest_block_bytes=largest_block,
         shard_size=shard_size,
     )
@@ -114,6 +129,6 @@ def device_memory_bytes(device: torch.device, local_processes: int) -> int:
 
 
 def choose_sharding(estimate: MemoryEstimate, budget_bytes: int, margin: float = 0.8) -> str:
-    """"ddp" when everything replicated fits in ``margin`` of the budget (headroom for the allocator,
+    """ "ddp" when everything replicated fits in ``margin`` of the budget (headroom for the allocator,
     temporary buffers and communication), else "fsdp"."""
     return "ddp" if estimate.ddp_bytes <= margin * budget_bytes else "fsdp"

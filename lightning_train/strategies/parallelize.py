@@ -98,7 +98,9 @@ def register_comm_hook(model: DistributedDataParallel, preset: CommHook, backend
         raise UserInputError(f"comm_hook={preset!r} is not one of {', '.join(COMM_HOOKS)} (or null)")
     if preset == "powersgd":
         # rank-1 approximations after 10 exact steps: the PowerSGD paper's defaults for warm starts
-        state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=10)
+        state = powerSGD_hook.PowerSGDState(
+            process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=10
+        )
         hook = powerSGD_hook.powerSGD_hook
     else:
         state, hook = None, getattr(default_hooks, f"{preset}_hook")
@@ -111,5 +113,7 @@ def register_comm_hook(model: DistributedDataParallel, preset: CommHook, backend
         )
         return None
     registered = model._get_ddp_logging_data().get("comm_hook")
-    rank_zero_info(f"DataParallelStrategy: DDP comm hook {preset!r} registered (torch: comm_hook={registered})")
+    rank_zero_info(
+        f"DataParallelStrategy: DDP comm hook {preset!r} registered (torch: comm_hook={registered})"
+    )
     return registered

@@ -11,6 +11,7 @@ from typing import Any, Literal
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback
+from torch.distributed.tensor import DTensor
 from torch.utils.data import Dataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
@@ -59,7 +60,8 @@ class InjectFault(Callback):
         if self.kind == "inf_grad" and self._active(trainer):
             for name, param in pl_module.named_parameters():
                 if self.param in name and param.grad is not None:
-                    param.grad.view(-1)[0] = float("inf")
+                    grad = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
+                    grad.view(-1)[0] = float("inf")  # FSDP2: this rank's shard
             self.injected.append(trainer.global_step)
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
@@ -118,10 +120,10 @@ class DumpState(Callback):
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         digest = hashlib.sha256()
         optimizer = trainer.optimizers[0]
-        for param in pl_module.parameters():
-            digest.update(param.detach().numpy().tobytes())
-            for value in optimizer.state[param].values():
-                digest.update(value.detach().numpy().tobytes())
+        for param in pl_module.parameters():  # local shards under FSDP2
+            for tensor in (param, *optimizer.state[param].values()):
+                local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+                digest.update(local.detach().numpy().tobytes())
         recovery = next(c for c in trainer.callbacks if isinstance(c, NaNRecovery))
         record = {"rank": trainer.global_rank, "digest": digest.hexdigest(),
                   "global_step": trainer.global_step, **recovery.state_dict(),

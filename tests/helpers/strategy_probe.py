@@ -36,7 +36,9 @@ class PatternDataset(Dataset):
 
 
 class PatternDataModule(L.LightningDataModule):
-    def __init__(self, samples: int = 96, seq_len: int = 16, vocab_size: int = 64, batch_size: int = 8) -> None:
+    def __init__(
+        self, samples: int = 96, seq_len: int = 16, vocab_size: int = 64, batch_size: int = 8
+    ) -> None:
         super().__init__()
         self.batch_size, self.seq_len = batch_size, seq_len
         self.dataset = PatternDataset(samples, seq_len, vocab_size)
@@ -71,8 +73,9 @@ class StrategyProbe(L.Callback):
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         # initial weights, gathered to full tensors: equal across strategies for the same seed
-        full = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in pl_module.parameters()]
-        self.initial_weights = [float(w.double().sum()) for w in full] + [float(w.double().square().sum()) for w in full]
+        params = [p.detach() for p in pl_module.parameters()]
+        full = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in params]
+        self.initial_weights = [[float(w.double().sum()), float(w.double().norm())] for w in full]
 
     def on_after_backward(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         model = trainer.strategy.model
@@ -81,13 +84,16 @@ class StrategyProbe(L.Callback):
         grad = next(p.grad for p in pl_module.parameters() if p.grad is not None).sum().reshape(1)
         grads = [torch.zeros_like(grad) for _ in range(dist.get_world_size())]
         dist.all_gather(grads, grad)
-        self.micro_steps.append({
-            "grad_sync": bool(model.require_backward_grad_sync),
-            "grads_equal_across_ranks": all(torch.equal(g, grads[0]) for g in grads),
-        })
+        self.micro_steps.append(
+            {
+                "grad_sync": bool(model.require_backward_grad_sync),
+                "grads_equal_across_ranks": all(torch.equal(g, grads[0]) for g in grads),
+            }
+        )
 
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         self._pending += _mean_over_ranks(outputs["loss"])  # already divided by accumulate_grad_batches
         if (batch_idx + 1) % trainer.accumulate_grad_batches == 0:
             self.losses.append(self._pending)
@@ -98,7 +104,9 @@ class StrategyProbe(L.Callback):
             "param_bytes": sum(_local_bytes(p) for p in params),
             "grad_bytes": sum(_local_bytes(p.grad) for p in params if p.grad is not None),
             "optimizer_bytes": sum(
-                _local_bytes(v) for state in optimizer.state.values() for v in state.values()
+                _local_bytes(v)
+                for state in optimizer.state.values()
+                for v in state.values()
                 if isinstance(v, torch.Tensor) and v.dim() > 0
             ),
         }

@@ -1,0 +1,131 @@
+"""Cost of the health/perf callbacks: ``Trainer.fit`` of the tiny CPU config with the callbacks on,
+against the same run without them (same weights, same batches, same Trainer settings).
+
+Pairs alternate which side runs first; the result is the median of the per-pair ratios of seconds
+per optimizer step, with min-max, for both the wall clock and this process's CPU time (steadier on
+a shared machine). Only steady-state steps are timed (after ``warmup``); the timed window holds
+logging steps in their normal proportion (one in ``log_every_n_steps``). Goal: ratio <= 1.01.
+
+    python benchmarks/callback_overhead.py            # 10 pairs of 40 steps, 1 thread
+    python benchmarks/callback_overhead.py --smoke    # seconds; checks the script works
+"""
+
+from __future__ import annotations
+
+import tempfile
+from functools import partial
+from typing import Any
+
+import lightning as L
+import torch
+import yaml
+from common import (
+    REPO,
+    StepTimer,
+    base_parser,
+    compare_clocks,
+    comparison_row,
+    machine_info,
+    paired,
+    print_table,
+    set_threads,
+    write_json,
+)
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.loggers import CSVLogger
+from torch.utils.data import DataLoader
+
+import lightning_train.callbacks
+from lightning_train.models.gpt import GPTConfig
+from lightning_train.modules.pretrain import PretrainModule
+
+# The callbacks measured together, with the arguments that make them do their normal work.
+CALLBACKS: dict[str, dict[str, Any]] = {
+    "GradNormMonitor": {},
+    "ThroughputMonitor": {"peak_flops": 1e12},  # so the MFU arithmetic runs too
+    "TimeToQuality": {"target": 0.0},  # never reached
+    "LossScaleMonitor": {},  # measured when present (it is another engineer's; fp32 makes it idle)
+}
+
+
+def build_callbacks() -> list[Callback]:
+    return [getattr(lightning_train.callbacks, name)(**kwargs) for name, kwargs in CALLBACKS.items()
+            if hasattr(lightning_train.callbacks, name)]
+
+
+def tiny_config() -> dict[str, Any]:
+    """Model shape, batch and Trainer settings of configs/pretrain-tiny.yaml."""
+    config = yaml.safe_load((REPO / "configs" / "pretrain-tiny.yaml").read_text())
+    data = config["data"]["init_args"]
+    return {
+        "model": GPTConfig(**config["model"]["init_args"]["config"]),
+        "batch_size": data["batch_size"], "seq_len": data["seq_len"],
+        "gradient_clip_val": config["trainer"]["gradient_clip_val"],
+        "log_every_n_steps": config["trainer"]["log_every_n_steps"],
+    }
+
+
+def random_batches(setup: dict[str, Any], steps: int) -> list[dict[str, torch.Tensor]]:
+    """Random tokens: the content does not change the cost of a step."""
+    generator = torch.Generator().manual_seed(0)
+    shape = (setup["batch_size"], setup["seq_len"] + 1)
+    rows = [torch.randint(0, setup["model"].vocab_size, shape, generator=generator) for _ in range(steps)]
+    return [{"input_ids": r[:, :-1].contiguous(), "labels": r[:, 1:].contiguous()} for r in rows]
+
+
+def train(setup: dict[str, Any], batches: list, warmup: int, with_callbacks: bool) -> dict[str, float]:
+    L.seed_everything(0, verbose=False)
+    timer = StepTimer(warmup)
+    callbacks = build_callbacks() if with_callbacks else []
+    with tempfile.TemporaryDirectory() as root:
+        trainer = L.Trainer(
+            accelerator="cpu", devices=1, max_steps=len(batches), precision="32-true",
+            gradient_clip_val=setup["gradient_clip_val"], log_every_n_steps=setup["log_every_n_steps"],
+            logger=CSVLogger(root, name=""), callbacks=[*callbacks, timer], default_root_dir=root,
+            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+            limit_val_batches=0, num_sanity_val_steps=0,
+        )
+        trainer.fit(PretrainModule(setup["model"], warmup_steps=10), DataLoader(batches, batch_size=None))
+    return timer.per_step()
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = base_parser("callback_overhead", __doc__.splitlines()[0], pairs=10)
+    args = parser.parse_args(argv)
+    set_threads(args.threads)
+    setup = tiny_config()
+    steps, warmup, pairs = 40, 10, args.pairs
+    if args.smoke:
+        model = GPTConfig(vocab_size=258, block_size=32, n_layer=2, n_head=2, n_embd=32)
+        setup.update(model=model, seq_len=32, batch_size=4, log_every_n_steps=2)
+        steps, warmup, pairs = 6, 2, 1
+    batches = random_batches(setup, steps)
+    machine = machine_info(args.threads)
+    names = [type(c).__name__ for c in build_callbacks()]
+    labels = ("no callbacks", " + ".join(names))
+    without, with_callbacks = (partial(train, setup, batches, warmup, on) for on in (False, True))
+    results = compare_clocks(*labels, paired(without, with_callbacks, pairs), "s/step")
+    payload = {
+        "benchmark": "callback_overhead",
+        "goal": "with / without callbacks, seconds per step <= 1.01",
+        "smoke": args.smoke,
+        "setup": {
+            "model": vars(setup["model"]), "batch_size": setup["batch_size"], "seq_len": setup["seq_len"],
+            "steps": steps, "timed_steps": steps - warmup, "log_every_n_steps": setup["log_every_n_steps"],
+            "gradient_clip_val": setup["gradient_clip_val"], "callbacks": names,
+        },
+        "machine": {**machine, "load_average_after": machine_info()["load_average_1_5_15"]},
+        "results": results,
+    }
+    print_table(
+        ["clock", f"{labels[0]} ms/step", "with callbacks ms/step", "ratio, median (min-max)"],
+        [comparison_row(clock_name, result, scale=1e3) for clock_name, result in results.items()],
+    )
+    print(f"{pairs} pairs of {steps - warmup} timed steps; callbacks: {', '.join(names)}; goal <= 1.01x")
+    if not args.smoke or args.out != parser.get_default("out"):  # a smoke run keeps the real results
+        write_json(args.out, payload)
+    return payload
+
+
+if __name__ == "__main__":
+    main()
