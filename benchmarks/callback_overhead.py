@@ -13,6 +13,7 @@ logging steps in their normal proportion (one in ``log_every_n_steps``). Goal: r
 from __future__ import annotations
 
 import tempfile
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
@@ -23,12 +24,15 @@ from common import (
     REPO,
     StepTimer,
     base_parser,
+    clock,
     compare_clocks,
     comparison_row,
     machine_info,
     paired,
+    per_step,
     print_table,
     set_threads,
+    summarize,
     write_json,
 )
 from lightning.pytorch.callbacks import Callback
@@ -46,6 +50,9 @@ CALLBACKS: dict[str, dict[str, Any]] = {
     "TimeToQuality": {"target": 0.0},  # never reached
     "LossScaleMonitor": {},  # measured when present (it is another engineer's; fp32 makes it idle)
 }
+
+
+STEP_HOOKS = ("on_train_batch_start", "on_before_optimizer_step", "on_train_batch_end")
 
 
 def build_callbacks() -> list[Callback]:
@@ -73,10 +80,32 @@ def random_batches(setup: dict[str, Any], steps: int) -> list[dict[str, torch.Te
     return [{"input_ids": r[:, :-1].contiguous(), "labels": r[:, 1:].contiguous()} for r in rows]
 
 
+def time_hooks(callbacks: list[Callback], warmup: int, spent: list[float]) -> None:
+    """Wrap the callbacks' per-step hooks so that their own wall and CPU seconds in the timed steps add up
+    in ``spent``: a direct measure of their cost that the machine's load hardly blurs."""
+
+    def timed(hook: Callable[..., Any]) -> Callable[..., Any]:
+        def run(trainer: L.Trainer, *args: Any, **kwargs: Any) -> Any:
+            if trainer.global_step < warmup:
+                return hook(trainer, *args, **kwargs)
+            start = clock()
+            result = hook(trainer, *args, **kwargs)
+            end = clock()
+            spent[0] += end[0] - start[0]
+            spent[1] += end[1] - start[1]
+            return result
+        return run
+
+    for callback in callbacks:
+        for name in STEP_HOOKS:
+            setattr(callback, name, timed(getattr(callback, name)))
+
+
 def train(setup: dict[str, Any], batches: list, warmup: int, with_callbacks: bool) -> dict[str, float]:
     L.seed_everything(0, verbose=False)
-    timer = StepTimer(warmup)
+    timer, hook_seconds = StepTimer(warmup), [0.0, 0.0]
     callbacks = build_callbacks() if with_callbacks else []
+    time_hooks(callbacks, warmup, hook_seconds)
     with tempfile.TemporaryDirectory() as root:
         trainer = L.Trainer(
             accelerator="cpu", devices=1, max_steps=len(batches), precision="32-true",
@@ -86,7 +115,8 @@ def train(setup: dict[str, Any], batches: list, warmup: int, with_callbacks: boo
             limit_val_batches=0, num_sanity_val_steps=0,
         )
         trainer.fit(PretrainModule(setup["model"], warmup_steps=10), DataLoader(batches, batch_size=None))
-    return timer.per_step()
+    hooks = per_step((0.0, 0.0), (hook_seconds[0], hook_seconds[1]), timer.steps)
+    return {**timer.per_step(), "hooks_wall": hooks["wall"], "hooks_cpu": hooks["cpu"]}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -104,7 +134,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     names = [type(c).__name__ for c in build_callbacks()]
     labels = ("no callbacks", " + ".join(names))
     without, with_callbacks = (partial(train, setup, batches, warmup, on) for on in (False, True))
-    results = compare_clocks(*labels, paired(without, with_callbacks, pairs), "s/step")
+    measured = paired(without, with_callbacks, pairs)
+    results = compare_clocks(*labels, measured, "s/step")
+    # The callbacks' own share of a step: their hooks' CPU seconds over the step's CPU seconds.
+    hook_share = summarize([on["hooks_cpu"] / on["cpu"] for _, on in measured])
     payload = {
         "benchmark": "callback_overhead",
         "goal": "with / without callbacks, seconds per step <= 1.01",
@@ -116,12 +149,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         },
         "machine": {**machine, "load_average_after": machine_info()["load_average_1_5_15"]},
         "results": results,
+        "hooks_cpu_share_of_step": hook_share,
+        "hooks_ms_per_step": summarize([1e3 * on["hooks_cpu"] for _, on in measured]),
     }
     print_table(
         ["clock", f"{labels[0]} ms/step", "with callbacks ms/step", "ratio, median (min-max)"],
         [comparison_row(clock_name, result, scale=1e3) for clock_name, result in results.items()],
     )
     print(f"{pairs} pairs of {steps - warmup} timed steps; callbacks: {', '.join(names)}; goal <= 1.01x")
+    print(f"time inside the callbacks' hooks: {payload['hooks_ms_per_step']['median']:.3f} ms CPU a step, "
+          f"{100 * hook_share['median']:.2f}% of the step (min-max {100 * hook_share['min']:.2f}-"
+          f"{100 * hook_share['max']:.2f}%)")
     if not args.smoke or args.out != parser.get_default("out"):  # a smoke run keeps the real results
         write_json(args.out, payload)
     return payload

@@ -100,3 +100,19 @@ def test_val_ppl_is_exp_of_val_loss(tiny_config, tmp_path):
     trainer.fit(module, datamodule=_WithVal(batch))
     metrics = trainer.validate(module, datamodule=_WithVal(batch), verbose=False)[0]
     assert metrics["val/ppl"] == pytest.approx(math.exp(metrics["val/loss"]), rel=1e-5)
+
+
+def test_validate_then_fit_in_one_process(tiny_config, tmp_path):
+    batch = _batch(tiny_config)
+
+    class _WithVal(_OneBatch):
+        def val_dataloader(self):
+            return DataLoader([batch] * 2, batch_size=None)
+
+    module = PretrainModule(tiny_config)
+    kwargs = dict(accelerator="cpu", logger=False, enable_progress_bar=False, enable_checkpointing=False,
+                  default_root_dir=tmp_path, enable_model_summary=False)
+    L.Trainer(**kwargs).validate(module, datamodule=_WithVal(batch), verbose=False)
+    trainer = L.Trainer(max_steps=2, val_check_interval=1, **kwargs)
+    trainer.fit(module, datamodule=_WithVal(batch))
+    assert torch.isfinite(trainer.callback_metrics["val/loss"])

@@ -6,6 +6,8 @@ step, the bytes each rank holds and what the strategy decided; each run writes `
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -104,6 +106,10 @@ def test_single_process_ddp_and_fsdp_agree_step_by_step(tmp_path, small_dataset)
     for report in ddp + fsdp:  # same initial weights, then the same loss at every step
         assert report["initial_weights"] == single["initial_weights"]
         _assert_losses_equal(report["losses"], single["losses"])
+        # strategy.clip_grad_norm_ returns the global pre-clip norm, on every rank (the clipping is real:
+        # gradient_clip_val=0.2 is below these norms)
+        torch.testing.assert_close(report["grad_norms"], single["grad_norms"], rtol=1e-4, atol=0)
+    assert min(single["grad_norms"]) > 0.2
 
     # fsdp: each rank holds half of the parameters, gradients and AdamW state that a ddp rank holds
     for key in ("param_bytes", "grad_bytes", "optimizer_bytes"):
@@ -227,3 +233,25 @@ def test_sharded_checkpoint_resumes_on_1_then_2_ranks_and_consolidates(tmp_path)
     assert wrong.returncode == 2, wrong.stderr[-3000:]
     assert "does not fit this model" in wrong.stderr
     assert "model.embed.weight: checkpoint (64, 32) vs model (64, 64)" in wrong.stderr
+
+
+def test_ddp_vs_fsdp_benchmark_smoke(tmp_path):
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "benchmarks" / "ddp_vs_fsdp.py"),
+            "--smoke",
+            "--out",
+            str(tmp_path / "b.json"),
+        ],
+        cwd=REPO,
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "| model_state per rank (MiB) |" in done.stdout
+    result = json.loads((tmp_path / "b.json").read_text())
+    assert result["goal_met"] and 0.45 <= result["memory"]["model_state_bytes"]["ratio_fsdp_over_ddp"] <= 0.55
+    assert result["step_time"]["wall"]["a_stats"]["median"] > 0

@@ -60,7 +60,7 @@ def test_offline_run_file_holds_dashboard_history_config_and_alerts(tmp_path, mo
     wandb.finish()
 
     (run_file,) = find_run_files(tmp_path / "wandb")
-    run = read_run(run_file)
+    run = read_run(run_file, timeout=30)
     expected = {"train/loss", "train/lr", "val/loss", "val/ppl", "perf/tokens_per_sec", STEP_METRIC}
     assert expected <= run.history_keys()
     assert [row[STEP_METRIC] for row in run.history if "train/loss" in row] == [0, 1, 2, 3, 4, 5]
@@ -137,7 +137,7 @@ def test_misconfigured_wandb_warns_and_training_goes_on(tmp_path):
     metrics = (tmp_path / "run" / "version_0" / "metrics.csv").read_text()
     assert metrics.count("\n") > 6  # header + one row per step + validation rows
     (run_file,) = find_run_files(tmp_path / "run" / "wandb")
-    assert max(row[STEP_METRIC] for row in read_run(run_file).history) == 5
+    assert max(row[STEP_METRIC] for row in read_run(run_file, timeout=30).history) == 5
 
 
 @pytest.mark.slow
@@ -147,7 +147,7 @@ def test_two_process_job_writes_one_grouped_run_or_one_per_rank(tmp_path, log_al
     result = run_cli("fit", "--config", str(config), "--trainer.devices=2", "--trainer.accelerator=cpu",
                      cwd=tmp_path, env=_cli_env(), timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
-    runs = [read_run(path) for path in find_run_files(tmp_path / "run" / "wandb")]
+    runs = [read_run(path, timeout=30) for path in find_run_files(tmp_path / "run" / "wandb")]
     assert len(runs) == (2 if log_all_ranks else 1)
     assert runs[0].group and {run.group for run in runs} == {runs[0].group}
     assert all(run.config["trainer"]["world_size"] == 2 for run in runs)

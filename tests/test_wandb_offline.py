@@ -27,6 +27,7 @@ def run_file(tmp_path_factory, monkeypatch_module):
     run.alert(title="Rollback", text="restored step 100", level=wandb.AlertLevel.WARN)
     run.finish()
     (path,) = find_run_files(folder)
+    assert read_run(path, timeout=30).finished  # wandb-core may still be writing after finish()
     return path
 
 
@@ -38,7 +39,7 @@ def monkeypatch_module():
 
 def test_reads_every_record_across_blocks(run_file):
     assert run_file.stat().st_size > 4 * BLOCK_SIZE
-    run = read_run(run_file)
+    run = read_run(run_file, timeout=30)
     assert run.config["blob"] == "x" * (3 * BLOCK_SIZE)
     assert [row["trainer/global_step"] for row in run.history] == list(range(200))
     assert run.history[-1]["train/loss"] == pytest.approx(1 / 200)

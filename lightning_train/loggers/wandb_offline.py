@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import struct
+import time
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -81,13 +82,28 @@ class OfflineRun:
     metrics: dict[str, dict[str, Any]] = field(default_factory=dict)  # name or glob -> definition
     alerts: list[dict[str, Any]] = field(default_factory=list)
     summary: dict[str, Any] = field(default_factory=dict)
+    finished: bool = False  # the run's exit record is in the file
 
     def history_keys(self) -> set[str]:
         return {key for row in self.history for key in row}
 
 
-def read_run(path: str | Path) -> OfflineRun:
-    """Collect run metadata, config, history rows, metric definitions, alerts and summary."""
+def read_run(path: str | Path, timeout: float = 0.0) -> OfflineRun:
+    """Collect run metadata, config, history rows, metric definitions, alerts and summary.
+
+    wandb-core writes the file in the background: even after ``run.finish()`` (or the training
+    process) returned, the records may land a moment later. ``timeout``: seconds to wait for the
+    run's exit record before returning what is there.
+    """
+    deadline = time.monotonic() + timeout
+    run = _read_run(path)
+    while not run.finished and time.monotonic() < deadline:
+        time.sleep(0.1)
+        run = _read_run(path)
+    return run
+
+
+def _read_run(path: str | Path) -> OfflineRun:
     run = OfflineRun()
     for record in iter_records(path):
         kind = record.WhichOneof("record_type")
@@ -116,6 +132,8 @@ def read_run(path: str | Path) -> OfflineRun:
             run.alerts.append({"title": alert.title, "text": alert.text, "level": alert.level})
         elif kind == "summary":
             _apply_items(run.summary, record.summary.update)
+        elif kind == "exit":
+            run.finished = True
     run.config.pop("_wandb", None)
     return run
 

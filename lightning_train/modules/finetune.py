@@ -102,6 +102,7 @@ class FinetuneModule(PretrainModule):
                 self._weights_pending = True  # materialised later by the strategy; see on_fit_start
             else:
                 load_into(model, self._pretrained.read_state_dict(), self._pretrained.source)
+                self._pretrained = None  # loaded: let the source's (memory-mapped) tensors go
         if self.lora is not None:
             model = apply_lora(model, self.lora)
         self._freeze(model)
@@ -142,7 +143,7 @@ class FinetuneModule(PretrainModule):
         state_dict = {renamed[k]: v for k, v in state_dict.items()}
         set_model_state_dict(model, state_dict, options=StateDictOptions(full_state_dict=True, strict=False))
         reset_lora(model)  # the strategy's generic reset_parameters gave lora_B random values
-        self._weights_pending = False
+        self._weights_pending, self._pretrained = False, None
 
     # ---- evaluation ----------------------------------------------------------------------------
     def on_validation_epoch_start(self) -> None:

@@ -136,13 +136,18 @@ class PretrainModule(L.LightningModule):
         self.log("train/lr", self.optimizers().param_groups[0]["lr"])
         return loss
 
+    def on_validation_epoch_start(self) -> None:
+        # Reset outside inference mode: metric states created under `trainer.validate()`'s inference
+        # mode could not be updated by a later `fit()`'s validation.
+        with torch.inference_mode(False):
+            self.val_loss.reset()
+
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         loss = self.compute_loss(self(batch["input_ids"]), batch["labels"])
         self.val_loss.update(loss, weight=(batch["labels"] != -100).sum())
 
     def on_validation_epoch_end(self) -> None:
         loss = self.val_loss.compute()  # synced across ranks by torchmetrics
-        self.val_loss.reset()
         self.log("val/loss", loss, prog_bar=True, sync_dist=False)
         self.log("val/ppl", loss.exp())
 

@@ -25,7 +25,6 @@ import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies.model_parallel import _load_checkpoint
-from lightning.fabric.utilities.distributed import _sync_ddp_if_available
 from lightning.fabric.utilities.load import _METADATA_FILENAME
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.types import _PATH
@@ -223,13 +222,6 @@ class DataParallelStrategy(ModelParallelStrategy):
         if isinstance(self.model, DistributedDataParallel):
             self.model = self.lightning_module
         super().teardown()
-
-    def reduce(self, tensor: Tensor | Any, group: Any | None = None, reduce_op: Any = "mean") -> Tensor | Any:
-        return (
-            _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
-            if isinstance(tensor, Tensor)
-            else tensor
-        )
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
         """Clip the gradients of all parameters to a total ``norm_type`` norm of ``max_norm`` and return

@@ -67,6 +67,7 @@ class StrategyProbe(L.Callback):
     def __init__(self, output_dir: str) -> None:
         self.output_dir = Path(output_dir)
         self.losses: list[float] = []
+        self.grad_norms: list[float] = []
         self._pending = 0.0
         self.micro_steps: list[dict[str, Any]] = []
         self.memory: dict[str, int] = {}
@@ -90,6 +91,19 @@ class StrategyProbe(L.Callback):
                 "grads_equal_across_ranks": all(torch.equal(g, grads[0]) for g in grads),
             }
         )
+
+    def on_before_optimizer_step(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any
+    ) -> None:
+        # the total gradient norm before Lightning clips: the strategy's (max_norm=inf leaves the
+        # gradients as they are), or computed directly in a single process
+        if hasattr(trainer.strategy, "clip_grad_norm_"):
+            norm = trainer.strategy.clip_grad_norm_(float("inf"))
+        else:
+            norm = torch.nn.utils.get_total_norm(
+                [p.grad for p in pl_module.parameters() if p.grad is not None]
+            )
+        self.grad_norms.append(float(norm))
 
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -116,6 +130,7 @@ class StrategyProbe(L.Callback):
         report = {
             "losses": self.losses,
             "initial_weights": self.initial_weights,
+            "grad_norms": self.grad_norms,
             "global_step": trainer.global_step,
             "world_size": trainer.world_size,
             "strategy": type(strategy).__name__,
