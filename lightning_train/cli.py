@@ -107,7 +107,10 @@ class LightningTrainCLI(LightningCLI):
         try:
             self.trainer.fit(model, **kwargs)
         except RuntimeError as error:  # a checkpoint of another model shape: one clear line, not a traceback
-            raise checkpoint_mismatch_error(error, kwargs.get("ckpt_path")) or error from error
+            mismatch = checkpoint_mismatch_error(error, kwargs.get("ckpt_path"))
+            if mismatch is None:
+                raise
+            raise mismatch from error
 
 
 def _add_fault_tolerance(trainer_config: dict[str, Any], kwargs: dict[str, Any]) -> None:

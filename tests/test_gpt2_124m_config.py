@@ -20,19 +20,20 @@ def test_print_config_is_gpt2_small_in_bf16_compiled(tmp_path: Path) -> None:
 
 
 def test_shrunk_two_step_run_on_cpu(tmp_path: Path) -> None:
-    # A tiny model on the config's own data geometry (32 x 1024 tokens a batch on the default corpus),
+    # A tiny model (and byte-sized vocabulary) on the config's own data geometry (32 x 1024 tokens a batch on the default corpus),
     # so the Trainer's checks of val_check_interval against the epoch length run as on a GPU.
     # compile=false keeps this test quick; tests/test_compile.py covers compiling on CPU.
     done = run_cli(
         "fit", "--config", CONFIG, f"--trainer.default_root_dir={tmp_path / 'run'}",
         "--trainer.accelerator=cpu", "--trainer.devices=1", "--trainer.precision=32-true",
         "--trainer.max_steps=2", "--trainer.log_every_n_steps=1", "--model.init_args.compile=false",
-        "--model.init_args.config.n_layer=1", "--model.init_args.config.n_head=2",
-        "--model.init_args.config.n_embd=32", "--data.init_args.num_workers=0",
+        "--model.init_args.config.vocab_size=320", "--model.init_args.config.n_layer=1",
+        "--model.init_args.config.n_head=2", "--model.init_args.config.n_embd=32",
+        "--data.init_args.num_workers=0",
         cwd=tmp_path, timeout=240,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     rows = list(csv.DictReader((tmp_path / "run" / "version_0" / "metrics.csv").open()))
     losses = [float(row["train/loss"]) for row in rows if row.get("train/loss")]
     assert len(losses) == 2 and all(math.isfinite(loss) for loss in losses)
-    assert abs(losses[0] - math.log(50304)) < 1.0  # untrained: about uniform over the vocabulary
+    assert abs(losses[0] - math.log(320)) < 1.0  # untrained: about uniform over the vocabulary

@@ -24,7 +24,6 @@ from typing import Any, Literal
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.strategies.model_parallel import _load_checkpoint
 from lightning.fabric.utilities.load import _METADATA_FILENAME
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.types import _PATH
@@ -279,15 +278,10 @@ class DataParallelStrategy(ModelParallelStrategy):
         path = Path(self.broadcast(str(checkpoint_path)))
         if sharded.is_sharded_checkpoint(path):
             metadata = self.load_sharded_checkpoint(path, weights_only)
-        elif self.sharding == "fsdp" and path.is_file():  # a full file into a sharded model
-            state = {"state_dict": self.lightning_module}
-            state.update({f"optimizer_{i}": optimizer for i, optimizer in enumerate(self.optimizers)})
-            metadata = _load_checkpoint(
-                path,
-                state,
-                strict=self.lightning_module.strict_loading,
-                optimizer_states_from_list=True,
-                weights_only=weights_only,
+        elif self.sharding == "fsdp":
+            raise UserInputError(
+                f"{path} is a single-file checkpoint (written with sharding='ddp'); resume it with "
+                "sharding='ddp', since sharding='fsdp' resumes from sharded checkpoint folders"
             )
         else:
             return Strategy.load_checkpoint(self, path, weights_only)
