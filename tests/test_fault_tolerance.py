@@ -218,19 +218,17 @@ def test_two_rank_ddp_kill_and_one_rank_preempted_resume_exactly(tmp_path: Path,
     reference = tmp_path / "reference"
     assert fit(write_config(reference, data_dir, devices=2, callbacks=(rank_seed,))).returncode == 0
 
-    # all ranks SIGKILLed after step 4; later only rank 1 gets SIGUSR1 during step 7: both stop after it.
-    # (Not at step 8, the end of epoch 0 with a validation: Lightning skips a validation that was due right
-    # after the checkpointed step, and TextDataModule's loaders draw their base seed from the global RNG
-    # when an iterator is created, so that skipped draw would shift the dropout stream.)
+    # all ranks SIGKILLed after step 4; later only rank 1 gets SIGUSR1 during step 8, the end of epoch 0
+    # with a validation due (which Lightning skips on resume): both ranks stop after it.
     interrupted = tmp_path / "interrupted"
     config = write_config(interrupted, data_dir, devices=2, callbacks=(
-        rank_seed, fault(["train:4"], interrupted), fault(["train:6"], interrupted, "SIGUSR1", rank=1),
+        rank_seed, fault(["train:4"], interrupted), fault(["train:7"], interrupted, "SIGUSR1", rank=1),
     ))
     run_until_done(config, [-signal.SIGKILL, PREEMPTED_EXIT_CODE, 0])
 
     manifest_file = interrupted / "run" / "checkpoints" / "preempted.ckpt.manifest.json"
     manifest = yaml.safe_load(manifest_file.read_text())
-    assert manifest["global_step"] == 7
+    assert manifest["global_step"] == 8
     rng = final_state(interrupted)["rng"]["per_rank"]
     assert len(rng) == 2 and not torch.equal(rng[0]["torch"], rng[1]["torch"])  # each rank's own states
     assert_same(final_state(interrupted), final_state(reference))

@@ -246,7 +246,13 @@ class TextDataModule(L.LightningDataModule):
         return DataLoader(self.val_set, batch_size=self.batch_size, sampler=sampler, **self._worker_kwargs())
 
     def _worker_kwargs(self) -> dict[str, Any]:
-        return {"num_workers": self.num_workers, "persistent_workers": self.num_workers > 0}
+        # An own generator: creating an iterator draws a worker seed from it, and drawing from the
+        # global RNG instead would shift the model's dropout stream between a run and its resume.
+        return {
+            "num_workers": self.num_workers,
+            "persistent_workers": self.num_workers > 0,
+            "generator": torch.Generator().manual_seed(self.seed),
+        }
 
     def _data_parallel_rank(self) -> tuple[int, int]:
         """(rank, world_size) of this process among the data-parallel replicas, as Lightning would shard."""
