@@ -23,12 +23,13 @@ ALERTS_FILE = "alerts.jsonl"
 
 def send_alert(trainer: L.Trainer, title: str, text: str, level: AlertLevel = "WARN") -> None:
     """Raise an alert at the current optimizer step. Call it on every rank; only rank zero writes."""
+    log_dir = trainer.log_dir  # a collective (Lightning broadcasts it): read it on every rank
     if not trainer.is_global_zero:
         return
     step = trainer.global_step
     rank_zero_warn(f"[{level}] {title} (step {step}): {text}")
-    if trainer.loggers and trainer.log_dir is not None:  # logger=False: the user asked for no files
-        path = Path(trainer.log_dir) / ALERTS_FILE
+    if trainer.loggers and log_dir is not None:  # logger=False: the user asked for no files
+        path = Path(log_dir) / ALERTS_FILE
         path.parent.mkdir(parents=True, exist_ok=True)
         record = {"time": time.time(), "step": step, "level": level, "title": title, "text": text}
         with path.open("a") as f:

@@ -19,13 +19,13 @@ from typing import Any
 
 from jsonargparse import CLI, ArgumentParser
 from lightning.pytorch import LightningDataModule, LightningModule, Trainer
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint, ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.plugins import CheckpointIO, Precision
 from lightning.pytorch.plugins.environments import ClusterEnvironment, SLURMEnvironment
 
-from lightning_train.callbacks import PreemptionCheckpoint, RNGStateKeeper, TrainingAborted
+from lightning_train.callbacks import PreemptionCheckpoint, RNGStateKeeper, TokenProgressBar, TrainingAborted
 from lightning_train.errors import UserInputError
 from lightning_train.plugins import AtomicCheckpointIO
 from lightning_train.plugins.precision import amp_for_precision_flag
@@ -67,25 +67,7 @@ class LightningTrainCLI(LightningCLI):
 
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
         trainer_config = self._get(self.config_init, "trainer", default={})
-        root = Path(trainer_config.get("default_root_dir") or "runs/default")
-        if trainer_config.get("logger") in (None, True):
-            kwargs["logger"] = CSVLogger(save_dir=str(root), name="")
-        callbacks = _as_list(trainer_config.get("callbacks"))
-        checkpoints = [c for c in callbacks if isinstance(c, ModelCheckpoint)]
-        if not checkpoints:
-            checkpoints = [ModelCheckpoint(save_last=True)]
-            kwargs["callbacks"] = callbacks + checkpoints
-        for checkpoint in checkpoints:
-            if checkpoint.dirpath is None:
-                checkpoint.dirpath = str(root / "checkpoints")
-        # 16-mixed: real loss scaling on every device (Lightning's turns into bf16 on CPU) and the LR
-        # schedule held on skipped steps (lightning_train.plugins.AmpPrecision).
-        amp = amp_for_precision_flag(trainer_config.get("precision"), trainer_config.get("accelerator"))
-        plugins = _as_list(trainer_config.get("plugins"))
-        if amp is not None and not any(isinstance(p, Precision) for p in plugins):
-            kwargs["precision"], kwargs["plugins"] = None, [*plugins, amp]
-        _add_fault_tolerance(trainer_config, kwargs)
-        return super().instantiate_trainer(**kwargs)
+        return super().instantiate_trainer(**_run_defaults(trainer_config), **kwargs)
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.add_argument(
@@ -113,21 +95,45 @@ class LightningTrainCLI(LightningCLI):
             raise mismatch from error
 
 
-def _add_fault_tolerance(trainer_config: dict[str, Any], kwargs: dict[str, Any]) -> None:
-    """Exact resume and preemption by default: RNG states of every rank in checkpoints, checkpoint-and-exit
-    (code 75) on SIGTERM/SIGUSR1, atomic sha256-verified checkpoint files. On SLURM, Lightning's own
-    auto-requeue is switched off so that it does not act on the same signals."""
-    callbacks = _as_list(kwargs.get("callbacks", trainer_config.get("callbacks")))
-    for kind in (RNGStateKeeper, PreemptionCheckpoint):
-        if not any(isinstance(c, kind) for c in callbacks):
-            callbacks.append(kind())
-    kwargs["callbacks"] = callbacks
-    plugins = _as_list(kwargs.get("plugins", trainer_config.get("plugins")))
+def _run_defaults(trainer: dict[str, Any]) -> dict[str, Any]:
+    """Trainer arguments that complete what the config left out; a config that sets one wins.
+
+    - CSV metrics in ``<root>/version_N/``; checkpoints (``last.ckpt`` at least) in ``<root>/checkpoints``.
+    - A progress bar with tokens/s and ETA.
+    - ``16-mixed``: real loss scaling on every device (Lightning's would turn into bf16 on CPU) and the
+      LR schedule held on skipped steps (``AmpPrecision``).
+    - Exact resume and preemption: every rank's RNG states in checkpoints, checkpoint-and-exit (code 75)
+      on SIGTERM/SIGUSR1, atomic sha256-verified checkpoint files; on SLURM, Lightning's own
+      auto-requeue is off so that it does not act on the same signals.
+    """
+    root = Path(trainer.get("default_root_dir") or "runs/default")
+    callbacks, plugins = _as_list(trainer.get("callbacks")), _as_list(trainer.get("plugins"))
+    defaults: dict[str, Any] = {}
+    if trainer.get("logger") in (None, True):
+        defaults["logger"] = CSVLogger(save_dir=str(root), name="")
+
+    checkpoints = [c for c in callbacks if isinstance(c, ModelCheckpoint)]
+    checkpoints = checkpoints or [ModelCheckpoint(save_last=True)]
+    for checkpoint in checkpoints:
+        checkpoint.dirpath = checkpoint.dirpath or str(root / "checkpoints")
+    extra_callbacks: list[Callback] = [c for c in checkpoints if c not in callbacks]
+    has_bar = any(isinstance(c, ProgressBar) for c in callbacks)
+    if trainer.get("enable_progress_bar") is not False and not has_bar:
+        extra_callbacks.append(TokenProgressBar())
+    extra_callbacks += [kind() for kind in (RNGStateKeeper, PreemptionCheckpoint)
+                        if not any(isinstance(c, kind) for c in callbacks)]
+    defaults["callbacks"] = callbacks + extra_callbacks
+
+    amp = amp_for_precision_flag(trainer.get("precision"), trainer.get("accelerator"))
+    if amp is not None and not any(isinstance(p, Precision) for p in plugins):
+        defaults["precision"] = None
+        plugins.append(amp)
     if not any(isinstance(p, CheckpointIO) for p in plugins):
         plugins.append(AtomicCheckpointIO())
     if SLURMEnvironment.detect() and not any(isinstance(p, ClusterEnvironment) for p in plugins):
         plugins.append(SLURMEnvironment(auto_requeue=False))
-    kwargs["plugins"] = plugins
+    defaults["plugins"] = plugins
+    return defaults
 
 
 def _as_list(value: Callback | list[Callback] | None) -> list[Callback]:
@@ -150,12 +156,16 @@ def _tools() -> dict[str, Callable[..., Any]]:
     }
 
 
+_POSITIONAL_TOOLS = {"report"}  # `report RUN_DIR`; the others take --name value
+
+
 def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
     try:
         tools = _tools()
         if args and args[0] in tools:
-            CLI(tools[args[0]], args=args[1:], as_positional=False, parser_class=_ToolParser,
+            positional = args[0] in _POSITIONAL_TOOLS
+            CLI(tools[args[0]], args=args[1:], as_positional=positional, parser_class=_ToolParser,
                 prog=f"python -m lightning_train {args[0]}")
         else:
             LightningTrainCLI(args=argv)  # None: LightningCLI reads sys.argv itself

@@ -28,16 +28,24 @@ def cli_env(**extra: str) -> dict[str, str]:
         OMP_NUM_THREADS="1",
         WANDB_MODE="offline",
         WANDB_SILENT="true",
-        LIGHTNING_TRAIN_CACHE=os.environ.get("LIGHTNING_TRAIN_CACHE", str(REPO / ".pytest_cache" / "lt-cache")),
+        LIGHTNING_TRAIN_CACHE=os.environ.get(
+            "LIGHTNING_TRAIN_CACHE", str(REPO / ".pytest_cache" / "lt-cache")
+        ),
         PYTHONUNBUFFERED="1",
     )
     env.update(extra)
     return env
 
 
-def run_cli(*args: str, cwd: Path, timeout: float = 300, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """``python -m lightning_train ARGS`` in ``cwd``; returns the finished process (never raises on exit code)."""
+def run_cli(
+    *args: str, cwd: Path, timeout: float = 300, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    """``python -m lightning_train ARGS`` in ``cwd``; the finished process (never raises on exit code)."""
     return subprocess.run(
         [sys.executable, "-m", "lightning_train", *args],
-        cwd=cwd, env=env or cli_env(), capture_output=True, text=True, timeout=timeout,
+        cwd=cwd,
+        env=env or cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )

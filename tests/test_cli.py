@@ -11,11 +11,18 @@ from tests.conftest import REPO, run_cli
 CONFIG = str(REPO / "configs" / "pretrain-tiny.yaml")
 # The default config shrunk so that a run takes seconds.
 SMALL = [
-    "--model.init_args.config.n_layer=1", "--model.init_args.config.n_embd=32",
-    "--model.init_args.config.n_head=2", "--model.init_args.config.block_size=32",
-    "--data.init_args.seq_len=32", "--data.init_args.batch_size=8", "--model.init_args.warmup_steps=5",
-    "--trainer.max_steps=40", "--trainer.val_check_interval=20", "--trainer.limit_val_batches=4",
-    "--trainer.log_every_n_steps=5", "--trainer.enable_progress_bar=false",
+    "--model.init_args.config.n_layer=1",
+    "--model.init_args.config.n_embd=32",
+    "--model.init_args.config.n_head=2",
+    "--model.init_args.config.block_size=32",
+    "--data.init_args.seq_len=32",
+    "--data.init_args.batch_size=8",
+    "--model.init_args.warmup_steps=5",
+    "--trainer.max_steps=40",
+    "--trainer.val_check_interval=20",
+    "--trainer.limit_val_batches=4",
+    "--trainer.log_every_n_steps=5",
+    "--trainer.enable_progress_bar=false",
 ]
 
 
@@ -34,8 +41,15 @@ def test_fit_writes_checkpoints_and_metrics_and_learns(tmp_path):
     assert len(losses) == 2 and losses[-1] < losses[0]
 
     # A second launch of the same run gets its own version folder: saving the config never collides.
-    again = run_cli("validate", "--config", CONFIG, *SMALL, f"--trainer.default_root_dir={root}",
-                    f"--ckpt_path={root / 'checkpoints' / 'last.ckpt'}", cwd=tmp_path)
+    again = run_cli(
+        "validate",
+        "--config",
+        CONFIG,
+        *SMALL,
+        f"--trainer.default_root_dir={root}",
+        f"--ckpt_path={root / 'checkpoints' / 'last.ckpt'}",
+        cwd=tmp_path,
+    )
     assert again.returncode == 0, again.stderr[-3000:]
     assert (root / "version_1" / "config.yaml").is_file()
     assert (root / "version_0" / "config.yaml").is_file()
@@ -53,12 +67,23 @@ def test_print_config_resolves_every_section(tmp_path):
 def test_prepare_then_fit_on_own_corpus(tmp_path):
     corpus = tmp_path / "corpus"
     corpus.mkdir()
-    (corpus / "a.txt").write_text("the quick brown fox jumps over the lazy dog. " * 400)
-    result = run_cli("prepare", "--inputs", f"[{corpus}]", "--output_dir", str(tmp_path / "shards"), cwd=tmp_path)
+    for i in range(20):
+        (corpus / f"doc{i}.txt").write_text(f"document {i}: the quick brown fox jumps over the lazy dog.\n" * 30)
+    result = run_cli(
+        "prepare", "--inputs", f"[{corpus}]", "--output_dir", str(tmp_path / "shards"), cwd=tmp_path
+    )
     assert result.returncode == 0, result.stderr
-    fit = run_cli("fit", "--config", CONFIG, *SMALL, "--trainer.max_steps=4", "--trainer.val_check_interval=4",
-                  f"--data.init_args.data_dir={tmp_path / 'shards'}",
-                  f"--trainer.default_root_dir={tmp_path / 'run'}", cwd=tmp_path)
+    fit = run_cli(
+        "fit",
+        "--config",
+        CONFIG,
+        *SMALL,
+        "--trainer.max_steps=4",
+        "--trainer.val_check_interval=4",
+        f"--data.init_args.data_dir={tmp_path / 'shards'}",
+        f"--trainer.default_root_dir={tmp_path / 'run'}",
+        cwd=tmp_path,
+    )
     assert fit.returncode == 0, fit.stderr[-3000:]
 
 
@@ -74,8 +99,15 @@ def test_prepare_then_fit_on_own_corpus(tmp_path):
     ids=["unknown-key", "wrong-type", "missing-data", "ids-exceed-vocab", "seq-longer-than-context"],
 )
 def test_bad_input_is_one_clear_line_and_exit_2(tmp_path, args, expected):
-    result = run_cli("fit", "--config", CONFIG, *SMALL, *args, f"--trainer.default_root_dir={tmp_path / 'run'}",
-                     cwd=tmp_path)
+    result = run_cli(
+        "fit",
+        "--config",
+        CONFIG,
+        *SMALL,
+        *args,
+        f"--trainer.default_root_dir={tmp_path / 'run'}",
+        cwd=tmp_path,
+    )
     assert result.returncode == 2, result.stderr[-3000:]
     assert "Traceback" not in result.stderr
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
@@ -94,6 +126,8 @@ def test_prepare_bad_input(tmp_path):
     existing.mkdir()
     (existing / "keep.txt").write_text("precious")
     (tmp_path / "doc.txt").write_text("some text " * 100)
-    result = run_cli("prepare", "--inputs", f"[{tmp_path / 'doc.txt'}]", "--output_dir", str(existing), cwd=tmp_path)
+    result = run_cli(
+        "prepare", "--inputs", f"[{tmp_path / 'doc.txt'}]", "--output_dir", str(existing), cwd=tmp_path
+    )
     assert result.returncode == 2 and "overwrite" in result.stderr
     assert (existing / "keep.txt").read_text() == "precious"

@@ -20,8 +20,8 @@ def test_print_config_is_gpt2_small_in_bf16_compiled(tmp_path: Path) -> None:
 
 
 def test_shrunk_two_step_run_on_cpu(tmp_path: Path) -> None:
-    # A tiny model (and byte-sized vocabulary) on the config's own data geometry (32 x 1024 tokens a batch on the default corpus),
-    # so the Trainer's checks of val_check_interval against the epoch length run as on a GPU.
+    # A tiny model (byte-sized vocabulary) on the config's own data geometry (32 x 1024 tokens a batch,
+    # default corpus), so the Trainer checks val_check_interval against the epoch length as on a GPU.
     # compile=false keeps this test quick; tests/test_compile.py covers compiling on CPU.
     done = run_cli(
         "fit", "--config", CONFIG, f"--trainer.default_root_dir={tmp_path / 'run'}",

@@ -41,7 +41,11 @@ def test_blocks_are_a_module_list_and_weights_tied(tiny_config):
 def test_flops_per_token_counts_matmul_weights_and_attention(tiny_config):
     model = GPT(tiny_config)
     c = tiny_config
-    per_block = c.n_embd * (c.n_head + 2 * c.n_kv_head) * c.head_dim + c.n_embd**2 + 3 * c.n_embd * c.intermediate_size
+    per_block = (
+        c.n_embd * (c.n_head + 2 * c.n_kv_head) * c.head_dim
+        + c.n_embd**2
+        + 3 * c.n_embd * c.intermediate_size
+    )
     matmul_weights = c.n_layer * per_block + c.vocab_size * c.n_embd  # the (tied) lm_head computes too
     expected = 6 * matmul_weights + 12 * c.n_layer * c.n_embd * c.block_size
     norms = (2 * c.n_layer + 1) * c.n_embd

@@ -32,8 +32,13 @@ def test_a_few_steps_on_one_batch_lower_the_loss(tiny_config, tmp_path):
     with torch.no_grad():
         before = module.compute_loss(module(batch["input_ids"]), batch["labels"]).item()
     trainer = L.Trainer(
-        max_steps=20, accelerator="cpu", logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
+        max_steps=20,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
     )
     trainer.fit(module, datamodule=_OneBatch(batch))
     with torch.no_grad():
@@ -54,8 +59,13 @@ def test_lr_schedule_warms_up_then_decays_to_min():
 def test_scheduler_follows_optimizer_steps(tiny_config, tmp_path):
     module = PretrainModule(tiny_config, learning_rate=1e-3, min_lr=1e-4, warmup_steps=4)
     trainer = L.Trainer(
-        max_steps=12, accelerator="cpu", logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
+        max_steps=12,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
     )
     trainer.fit(module, datamodule=_OneBatch(_batch(tiny_config)))
     # after 12 optimizer steps the schedule (decay_steps = max_steps = 12) has reached min_lr
@@ -70,8 +80,10 @@ def test_no_weight_decay_on_norms_biases_and_embeddings(tiny_config):
     names = {id(p): n for n, p in module.model.named_parameters()}
     no_decay = {names[id(p)] for p in groups["no_decay"]["params"]}
     assert "embed.weight" in no_decay and "norm.weight" in no_decay
-    assert all(names[id(p)].endswith(("qkv.weight", "proj.weight", "up.weight", "down.weight"))
-               for p in groups["decay"]["params"])
+    assert all(
+        names[id(p)].endswith(("qkv.weight", "proj.weight", "up.weight", "down.weight"))
+        for p in groups["decay"]["params"]
+    )
     assert groups["no_decay"]["weight_decay"] == 0.0
 
 
@@ -81,8 +93,9 @@ def test_no_weight_decay_on_norms_biases_and_embeddings(tiny_config):
 )
 def test_data_that_does_not_fit_the_model_is_refused(tiny_config, tmp_path, max_token_id, seq_len, message):
     module = PretrainModule(tiny_config)
-    trainer = L.Trainer(max_steps=1, accelerator="cpu", logger=False, enable_progress_bar=False,
-                        default_root_dir=tmp_path)
+    trainer = L.Trainer(
+        max_steps=1, accelerator="cpu", logger=False, enable_progress_bar=False, default_root_dir=tmp_path
+    )
     with pytest.raises(UserInputError, match=message):
         trainer.fit(module, datamodule=_OneBatch(_batch(tiny_config), max_token_id, seq_len))
 
@@ -95,8 +108,15 @@ def test_val_ppl_is_exp_of_val_loss(tiny_config, tmp_path):
             return DataLoader([batch] * 3, batch_size=None)
 
     module = PretrainModule(tiny_config)
-    trainer = L.Trainer(max_steps=2, accelerator="cpu", logger=False, enable_progress_bar=False,
-                        enable_checkpointing=False, default_root_dir=tmp_path, enable_model_summary=False)
+    trainer = L.Trainer(
+        max_steps=2,
+        accelerator="cpu",
+        logger=False,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        default_root_dir=tmp_path,
+        enable_model_summary=False,
+    )
     trainer.fit(module, datamodule=_WithVal(batch))
     metrics = trainer.validate(module, datamodule=_WithVal(batch), verbose=False)[0]
     assert metrics["val/ppl"] == pytest.approx(math.exp(metrics["val/loss"]), rel=1e-5)
@@ -110,8 +130,14 @@ def test_validate_then_fit_in_one_process(tiny_config, tmp_path):
             return DataLoader([batch] * 2, batch_size=None)
 
     module = PretrainModule(tiny_config)
-    kwargs = dict(accelerator="cpu", logger=False, enable_progress_bar=False, enable_checkpointing=False,
-                  default_root_dir=tmp_path, enable_model_summary=False)
+    kwargs = dict(
+        accelerator="cpu",
+        logger=False,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        default_root_dir=tmp_path,
+        enable_model_summary=False,
+    )
     L.Trainer(**kwargs).validate(module, datamodule=_WithVal(batch), verbose=False)
     trainer = L.Trainer(max_steps=2, val_check_interval=1, **kwargs)
     trainer.fit(module, datamodule=_WithVal(batch))

@@ -6,9 +6,10 @@ Layout of a dataset folder::
     train_00000.bin    token ids (uint16 if the vocabulary fits, else uint32), documents separated by eos
     val_00000.bin      ...
 
-The split is systematic: a piece of text goes to val whenever val is behind ``val_fraction`` of the tokens
-seen so far, so val is spread evenly over the corpus, is never empty for a non-empty corpus (the first piece
-goes to val), and the result depends only on the inputs and the tokenizer.
+The split is systematic: a piece of text goes to val whenever that brings val nearer to ``val_fraction`` of
+the tokens seen so far, so val is spread evenly over the corpus, documents stay whole (except a big file's
+pieces), train is never empty (the first piece goes to train; a one-piece corpus has no val), and the
+result depends only on the inputs and the tokenizer.
 """
 
 from __future__ import annotations
@@ -128,7 +129,7 @@ def _write_shards(
         task = progress.add_task("", total=total_bytes, tokens=0)
         for piece, tokens in _encode_in_order(iter_pieces(files, jsonl_field), tok, num_workers):
             total_tokens += len(tokens)
-            split = "val" if val_tokens < val_fraction * total_tokens else "train"
+            split = "val" if val_tokens + len(tokens) / 2 < val_fraction * total_tokens else "train"
             if split == "val":
                 val_tokens += len(tokens)
             writers[split].write_piece(tokens, piece)

@@ -82,7 +82,9 @@ class RotaryEmbedding(nn.Module):
 
     def reset_parameters(self) -> None:
         device = self.cos.device if self.cos.device.type != "meta" else None
-        inv_freq = 1.0 / self.theta ** (torch.arange(0, self.head_dim, 2, device=device).float() / self.head_dim)
+        inv_freq = 1.0 / self.theta ** (
+            torch.arange(0, self.head_dim, 2, device=device).float() / self.head_dim
+        )
         angles = torch.outer(torch.arange(self.max_len, device=device).float(), inv_freq)
         angles = torch.cat([angles, angles], dim=-1)
         with torch.no_grad():
@@ -120,7 +122,9 @@ class Attention(nn.Module):
         super().__init__()
         self.config, self.layer = config, layer
         self.n_head, self.n_kv_head, self.head_dim = config.n_head, config.n_kv_head, config.head_dim
-        self.qkv = nn.Linear(config.n_embd, (self.n_head + 2 * self.n_kv_head) * self.head_dim, bias=config.bias)
+        self.qkv = nn.Linear(
+            config.n_embd, (self.n_head + 2 * self.n_kv_head) * self.head_dim, bias=config.bias
+        )
         self.proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
 
     def forward(
@@ -128,7 +132,8 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         B, T, C = x.shape
         q, k, v = self.qkv(x).split(
-            [self.n_head * self.head_dim, self.n_kv_head * self.head_dim, self.n_kv_head * self.head_dim], dim=-1
+            [self.n_head * self.head_dim, self.n_kv_head * self.head_dim, self.n_kv_head * self.head_dim],
+            dim=-1,
         )
         q = q.view(B, T, self.n_head, self.head_dim).transpose(1, 2)
         k = k.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
@@ -174,7 +179,11 @@ class Block(nn.Module):
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(
-        self, x: torch.Tensor, rope: RotaryEmbedding | None, positions: torch.Tensor, cache: KVCache | None = None
+        self,
+        x: torch.Tensor,
+        rope: RotaryEmbedding | None,
+        positions: torch.Tensor,
+        cache: KVCache | None = None,
     ) -> torch.Tensor:
         x = x + self.dropout(self.attn(self.attn_norm(x), rope, positions, cache))
         return x + self.dropout(self.mlp(self.mlp_norm(x)))
@@ -185,7 +194,9 @@ class GPT(nn.Module):
         super().__init__()
         self.config = config
         self.embed = nn.Embedding(config.vocab_size, config.n_embd)
-        self.pos_embed = nn.Embedding(config.block_size, config.n_embd) if config.position == "learned" else None
+        self.pos_embed = (
+            nn.Embedding(config.block_size, config.n_embd) if config.position == "learned" else None
+        )
         self.rope = RotaryEmbedding(config) if config.position == "rope" else None
         self.dropout = nn.Dropout(config.dropout)
         self.blocks = nn.ModuleList(Block(config, i) for i in range(config.n_layer))
@@ -202,7 +213,9 @@ class GPT(nn.Module):
         for name, module in self.named_modules():
             if isinstance(module, nn.Linear):
                 scaled = name.endswith(("attn.proj", "mlp.down"))
-                nn.init.normal_(module.weight, std=std / math.sqrt(2 * self.config.n_layer) if scaled else std)
+                nn.init.normal_(
+                    module.weight, std=std / math.sqrt(2 * self.config.n_layer) if scaled else std
+                )
                 if module.bias is not None:
                     nn.init.zeros_(module.bias)
             elif isinstance(module, nn.Embedding):

@@ -184,6 +184,7 @@ def _fastest_adamw_kwargs(param_groups: list[dict[str, Any]]) -> dict[str, bool]
 
     params = [p for group in param_groups for p in group["params"]]
     fusable = all(
-        not isinstance(p, DTensor) and p.is_floating_point() and p.device.type in ("cuda", "cpu") for p in params
+        not isinstance(p, DTensor) and p.is_floating_point() and p.device.type in ("cuda", "cpu")
+        for p in params
     )
     return {"fused": True} if fusable and params else {"foreach": True}
