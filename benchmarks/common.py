@@ -182,12 +182,12 @@ def synchronize(device: torch.device) -> None:
 
 
 class StepTimer(Callback):
-    """Times optimizer steps ``[warmup, last]``, in wall and CPU seconds (see ``clock``): from the start
-    of step ``warmup`` (its batch already fetched) to the end of the last step. Also keeps the last
-    step's loss (on the device)."""
+    """Times optimizer steps ``[warmup, until)`` (``until`` None: to the last step), in wall and CPU
+    seconds (see ``clock``): from the start of step ``warmup`` (its batch already fetched) to the end of
+    step ``until - 1``. Also keeps the last step's loss (on the device)."""
 
-    def __init__(self, warmup: int) -> None:
-        self.warmup = warmup
+    def __init__(self, warmup: int, until: int | None = None) -> None:
+        self.warmup, self.until = warmup, until
         self.start = self.end = (0.0, 0.0)
         self.steps = 0
         self.last_loss: torch.Tensor | None = None
@@ -198,7 +198,7 @@ class StepTimer(Callback):
             self.start = clock()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if trainer.global_step > self.warmup:
+        if trainer.global_step > self.warmup and (self.until is None or trainer.global_step <= self.until):
             synchronize(pl_module.device)
             self.end = clock()
             self.steps = trainer.global_step - self.warmup

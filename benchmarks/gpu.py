@@ -93,7 +93,7 @@ def train_lightning(
     """``fit`` of the config for ``steps`` timed (after ``warmup``) plus ``audit`` steps counting syncs."""
     with tempfile.TemporaryDirectory() as root:
         cli = build_cli(overrides, root, steps + audit)
-        timer, syncs = StepTimer(warmup), SyncCounter(steps)
+        timer, syncs = StepTimer(warmup, until=steps), SyncCounter(start=steps)
         cli.trainer.callbacks.extend([timer, syncs])
         if cli.trainer.strategy.root_device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
@@ -137,6 +137,11 @@ def peak_flops(device: torch.device, override_tflops: float | None) -> float | N
         return None
     name = torch.cuda.get_device_name(device).lower()
     return next((peaks.get("bf16") for pattern, peaks in PEAK_FLOPS if re.search(pattern, name)), None)
+
+
+def _flops_per_token(config: GPTConfig, seq_len: int) -> float:
+    with torch.device("meta"):  # the formula needs the parameter count only, not real weights
+        return GPT(config).flops_per_token(seq_len)
 
 
 def _peak_memory_gb() -> float | None:
@@ -193,11 +198,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     }
     write_json(args.out, payload)
     return payload
-
-
-def _flops_per_token(config: GPTConfig, seq_len: int) -> float:
-    with torch.device("meta"):  # the formula needs the parameter count only, not real weights
-        return GPT(config).flops_per_token(seq_len)
 
 
 if __name__ == "__main__":

@@ -119,7 +119,7 @@ def _run_defaults(trainer: dict[str, Any]) -> dict[str, Any]:
     extra_callbacks: list[Callback] = [c for c in checkpoints if c not in callbacks]
     has_bar = any(isinstance(c, ProgressBar) for c in callbacks)
     if trainer.get("enable_progress_bar") is not False and not has_bar:
-        extra_callbacks.append(TokenProgressBar())
+        extra_callbacks.append(TokenProgressBar(refresh_rate=10))  # each refresh reads metrics to host
     extra_callbacks += [kind() for kind in (RNGStateKeeper, PreemptionCheckpoint)
                         if not any(isinstance(c, kind) for c in callbacks)]
     defaults["callbacks"] = callbacks + extra_callbacks

@@ -46,7 +46,6 @@ def test_overhead_smoke(tmp_path: Path) -> None:
     assert payload["machine"]["threads"] == 1 and len(payload["machine"]["load_average_1_5_15"]) == 3
 
 
-@pytest.mark.slow
 def test_throughput_smoke(tmp_path: Path) -> None:
     payload = run_smoke("throughput.py", tmp_path / "throughput.json")
     assert payload["benchmark"] == "throughput"

@@ -42,7 +42,7 @@ def test_report_of_a_real_resumed_run(tmp_path):
                      f"--ckpt_path={root / 'checkpoints' / 'last.ckpt'}", cwd=tmp_path, env=_cli_env())
     assert second.returncode == 0, second.stderr[-3000:]
 
-    result = run_cli("report", "--run_dir", str(root), cwd=tmp_path, env=_cli_env())
+    result = run_cli("report", str(root), cwd=tmp_path, env=_cli_env())
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads((root / "report" / "report.json").read_text())
     plots = summary["plots"]
@@ -95,5 +95,5 @@ def test_report_plots_amp_recovery_alerts_and_skips_the_rest(tmp_path):
 def test_report_of_a_folder_without_metrics_is_a_clear_error(tmp_path):
     with pytest.raises(UserInputError, match="no version_\\*/metrics.csv"):
         report(str(tmp_path))
-    result = run_cli("report", "--run_dir", str(tmp_path), cwd=tmp_path)
+    result = run_cli("report", str(tmp_path), cwd=tmp_path)
     assert result.returncode == 2 and result.stderr.startswith("error: no version_*/metrics.csv")

@@ -248,10 +248,12 @@ class TextDataModule(L.LightningDataModule):
     def _worker_kwargs(self) -> dict[str, Any]:
         # An own generator: creating an iterator draws a worker seed from it, and drawing from the
         # global RNG instead would shift the model's dropout stream between a run and its resume.
+        workers = {"persistent_workers": True, "prefetch_factor": 4} if self.num_workers > 0 else {}
         return {
             "num_workers": self.num_workers,
-            "persistent_workers": self.num_workers > 0,
+            "pin_memory": torch.cuda.is_available(),  # page-locked batches copy to the GPU asynchronously
             "generator": torch.Generator().manual_seed(self.seed),
+            **workers,
         }
 
     def _data_parallel_rank(self) -> tuple[int, int]:

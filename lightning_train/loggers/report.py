@@ -1,6 +1,6 @@
 """Run reports without W&B: PNG plots and one self-contained HTML page from a run folder.
 
-    python -m lightning_train report --run_dir runs/pretrain-tiny     # -> runs/pretrain-tiny/report/
+    python -m lightning_train report runs/pretrain-tiny     # -> runs/pretrain-tiny/report/
 
 Reads every ``version_*/metrics.csv`` of the run in order (a resumed run has one per launch; where
 launches overlap, e.g. after resuming from an older checkpoint, the later launch wins) and the

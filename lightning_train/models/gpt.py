@@ -91,11 +91,16 @@ class RotaryEmbedding(nn.Module):
             self.cos.copy_(angles.cos())
             self.sin.copy_(angles.sin())
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Rotate ``x`` of shape (B, heads, T, head_dim) by the angles of ``positions`` (T,)."""
-        cos, sin = self.cos[positions].to(x.dtype), self.sin[positions].to(x.dtype)
-        x1, x2 = x.chunk(2, dim=-1)
-        return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The (cos, sin) tables of ``positions`` (T,), each (T, head_dim): looked up once a forward."""
+        return self.cos[positions], self.sin[positions]
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` of shape (B, heads, T, head_dim) by the angles whose cos/sin are given."""
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)  # x is bf16/fp16 under autocast
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
 
 class KVCache:
@@ -128,7 +133,7 @@ class Attention(nn.Module):
         self.proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
 
     def forward(
-        self, x: torch.Tensor, rope: RotaryEmbedding | None, positions: torch.Tensor, cache: KVCache | None
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, cache: KVCache | None
     ) -> torch.Tensor:
         B, T, C = x.shape
         q, k, v = self.qkv(x).split(
@@ -139,7 +144,7 @@ class Attention(nn.Module):
         k = k.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
         v = v.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
         if rope is not None:
-            q, k = rope(q, positions), rope(k, positions)
+            q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         if cache is not None:
             k, v = cache.update(self.layer, k, v)
         # One new token attends to every cached position; a prompt (T > 1) needs the causal mask.
@@ -181,11 +186,10 @@ class Block(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        rope: RotaryEmbedding | None,
-        positions: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor] | None,
         cache: KVCache | None = None,
     ) -> torch.Tensor:
-        x = x + self.dropout(self.attn(self.attn_norm(x), rope, positions, cache))
+        x = x + self.dropout(self.attn(self.attn_norm(x), rope, cache))
         return x + self.dropout(self.mlp(self.mlp_norm(x)))
 
 
@@ -237,8 +241,9 @@ class GPT(nn.Module):
         if self.pos_embed is not None:
             x = x + self.pos_embed(positions)
         x = self.dropout(x)
+        rope = self.rope(positions) if self.rope is not None else None
         for block in self.blocks:
-            x = block(x, self.rope, positions, cache)
+            x = block(x, rope, cache)
         return self.lm_head(self.norm(x))
 
     def num_params(self, non_embedding: bool = False) -> int:

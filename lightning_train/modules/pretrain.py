@@ -133,7 +133,9 @@ class PretrainModule(L.LightningModule):
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss = self.compute_loss(self(batch["input_ids"]), batch["labels"])
         self.log("train/loss", loss, prog_bar=True)
-        self.log("train/lr", self.optimizers().param_groups[0]["lr"])
+        # A float logged every step would be copied to the device every step: log it when it is written.
+        if (self.global_step + 1) % self.trainer.log_every_n_steps == 0:
+            self.log("train/lr", self.optimizers().param_groups[0]["lr"])
         return loss
 
     def on_validation_epoch_start(self) -> None:
