@@ -68,7 +68,7 @@ def test_prepare_then_fit_on_own_corpus(tmp_path):
     corpus = tmp_path / "corpus"
     corpus.mkdir()
     for i in range(20):
-        (corpus / f"doc{i}.txt").write_text(f"document {i}: the quick brown fox jumps over the lazy dog.\n" * 30)
+        (corpus / f"doc{i}.txt").write_text(f"document {i}: the quick brown fox jumps over the dog.\n" * 30)
     result = run_cli(
         "prepare", "--inputs", f"[{corpus}]", "--output_dir", str(tmp_path / "shards"), cwd=tmp_path
     )
