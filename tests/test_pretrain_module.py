@@ -16,12 +16,27 @@ def _batch(config, batch_size=4, seed=0):
 
 
 class _OneBatch(L.LightningDataModule):
+    """The same batch over and over (and for validation); ``max_token_id``/``seq_len`` as a real
+    data module reports them."""
+
     def __init__(self, batch, max_token_id=None, seq_len=None):
         super().__init__()
         self.batch, self.max_token_id, self.seq_len = batch, max_token_id, seq_len
 
     def train_dataloader(self):
         return DataLoader([self.batch] * 100, batch_size=None)
+
+    def val_dataloader(self):
+        return DataLoader([self.batch] * 2, batch_size=None)
+
+
+def _trainer(tmp_path, **kwargs) -> L.Trainer:
+    """A quiet CPU Trainer; validation only where a test asks for it (``limit_val_batches``)."""
+    defaults = dict(
+        accelerator="cpu", default_root_dir=tmp_path, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+    )
+    return L.Trainer(**{**defaults, **kwargs})
 
 
 def test_a_few_steps_on_one_batch_lower_the_loss(tiny_config, tmp_path):
@@ -31,15 +46,7 @@ def test_a_few_steps_on_one_batch_lower_the_loss(tiny_config, tmp_path):
     module.configure_model()
     with torch.no_grad():
         before = module.compute_loss(module(batch["input_ids"]), batch["labels"]).item()
-    trainer = L.Trainer(
-        max_steps=20,
-        accelerator="cpu",
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=tmp_path,
-    )
+    trainer = _trainer(tmp_path, max_steps=20)
     trainer.fit(module, datamodule=_OneBatch(batch))
     with torch.no_grad():
         after = module.compute_loss(module(batch["input_ids"]), batch["labels"]).item()
@@ -48,7 +55,9 @@ def test_a_few_steps_on_one_batch_lower_the_loss(tiny_config, tmp_path):
 
 
 def test_lr_schedule_warms_up_then_decays_to_min():
-    lr = lambda step: 1e-3 * warmup_cosine(step, warmup_steps=10, decay_steps=110, min_lr_ratio=0.1)  # noqa: E731
+    def lr(step):
+        return 1e-3 * warmup_cosine(step, warmup_steps=10, decay_steps=110, min_lr_ratio=0.1)
+
     assert lr(0) == pytest.approx(1e-4)
     assert lr(9) == pytest.approx(1e-3)
     assert lr(60) == pytest.approx(1e-4 + 0.9e-3 * 0.5)  # half-way through the cosine
@@ -58,15 +67,7 @@ def test_lr_schedule_warms_up_then_decays_to_min():
 
 def test_scheduler_follows_optimizer_steps(tiny_config, tmp_path):
     module = PretrainModule(tiny_config, learning_rate=1e-3, min_lr=1e-4, warmup_steps=4)
-    trainer = L.Trainer(
-        max_steps=12,
-        accelerator="cpu",
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=tmp_path,
-    )
+    trainer = _trainer(tmp_path, max_steps=12)
     trainer.fit(module, datamodule=_OneBatch(_batch(tiny_config)))
     # after 12 optimizer steps the schedule (decay_steps = max_steps = 12) has reached min_lr
     assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(1e-4)
@@ -93,52 +94,24 @@ def test_no_weight_decay_on_norms_biases_and_embeddings(tiny_config):
 )
 def test_data_that_does_not_fit_the_model_is_refused(tiny_config, tmp_path, max_token_id, seq_len, message):
     module = PretrainModule(tiny_config)
-    trainer = L.Trainer(
-        max_steps=1, accelerator="cpu", logger=False, enable_progress_bar=False, default_root_dir=tmp_path
-    )
     with pytest.raises(UserInputError, match=message):
-        trainer.fit(module, datamodule=_OneBatch(_batch(tiny_config), max_token_id, seq_len))
+        _trainer(tmp_path, max_steps=1).fit(
+            module, datamodule=_OneBatch(_batch(tiny_config), max_token_id, seq_len)
+        )
 
 
 def test_val_ppl_is_exp_of_val_loss(tiny_config, tmp_path):
-    batch = _batch(tiny_config)
-
-    class _WithVal(_OneBatch):
-        def val_dataloader(self):
-            return DataLoader([batch] * 3, batch_size=None)
-
+    data = _OneBatch(_batch(tiny_config))
     module = PretrainModule(tiny_config)
-    trainer = L.Trainer(
-        max_steps=2,
-        accelerator="cpu",
-        logger=False,
-        enable_progress_bar=False,
-        enable_checkpointing=False,
-        default_root_dir=tmp_path,
-        enable_model_summary=False,
-    )
-    trainer.fit(module, datamodule=_WithVal(batch))
-    metrics = trainer.validate(module, datamodule=_WithVal(batch), verbose=False)[0]
+    _trainer(tmp_path, max_steps=2).fit(module, datamodule=data)
+    metrics = _trainer(tmp_path, limit_val_batches=1.0).validate(module, datamodule=data, verbose=False)[0]
     assert metrics["val/ppl"] == pytest.approx(math.exp(metrics["val/loss"]), rel=1e-5)
 
 
 def test_validate_then_fit_in_one_process(tiny_config, tmp_path):
-    batch = _batch(tiny_config)
-
-    class _WithVal(_OneBatch):
-        def val_dataloader(self):
-            return DataLoader([batch] * 2, batch_size=None)
-
+    data = _OneBatch(_batch(tiny_config))
     module = PretrainModule(tiny_config)
-    kwargs = dict(
-        accelerator="cpu",
-        logger=False,
-        enable_progress_bar=False,
-        enable_checkpointing=False,
-        default_root_dir=tmp_path,
-        enable_model_summary=False,
-    )
-    L.Trainer(**kwargs).validate(module, datamodule=_WithVal(batch), verbose=False)
-    trainer = L.Trainer(max_steps=2, val_check_interval=1, **kwargs)
-    trainer.fit(module, datamodule=_WithVal(batch))
+    _trainer(tmp_path, limit_val_batches=1.0).validate(module, datamodule=data, verbose=False)
+    trainer = _trainer(tmp_path, max_steps=2, val_check_interval=1, limit_val_batches=1.0)
+    trainer.fit(module, datamodule=data)
     assert torch.isfinite(trainer.callback_metrics["val/loss"])

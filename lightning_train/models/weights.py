@@ -3,7 +3,7 @@
 Nothing here unpickles arbitrary code: ``.safetensors`` files hold raw tensors only, and pickle-format
 files (Lightning ``.ckpt``, ``.pt``, ``.bin``) go through ``torch.load(weights_only=True)``, torch's
 restricted unpickler, which accepts tensors, containers and the few config dataclasses listed in
-``SAFE_GLOBALS``. ``allow_pickle=False`` refuses pickle-format files altogether.
+``safe_globals()``. ``allow_pickle=False`` refuses pickle-format files altogether.
 
     >>> model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_embd=16))
     >>> save_safetensors(model, "/tmp/exported")  # doctest: +SKIP
@@ -28,9 +28,16 @@ from lightning_train.models.gpt import GPT, GPTConfig
 from lightning_train.models.lora import LoRAConfig
 
 PICKLE_SUFFIXES = (".ckpt", ".pt", ".pth", ".bin")
-# Plain-value dataclasses that our own checkpoints carry in their hyper-parameters.
-SAFE_GLOBALS = [GPTConfig, LoRAConfig, pathlib.Path, pathlib.PosixPath, pathlib.WindowsPath]
 MODEL_TYPE = "gpt"  # the "model_type" of our config.json (as the strategies' `consolidate` writes it)
+
+
+def safe_globals() -> list[type]:
+    """The only non-tensor types that ``weights_only`` loading of this package's checkpoints accepts:
+    plain-value containers of hyper-parameters (our config dataclasses, Lightning's ``AttributeDict``,
+    paths). Rebuilding them runs no code of the file's choosing."""
+    from lightning.fabric.utilities.data import AttributeDict
+
+    return [GPTConfig, LoRAConfig, AttributeDict, pathlib.Path, pathlib.PosixPath, pathlib.WindowsPath]
 
 
 def read_weights(path: str | Path, allow_pickle: bool = True) -> dict[str, torch.Tensor]:
@@ -57,7 +64,7 @@ def read_pickle(path: Path, allow_pickle: bool = True) -> Any:
             "(it is then read with torch.load(weights_only=True), which never runs code from the file)"
         )
     try:
-        with torch.serialization.safe_globals(SAFE_GLOBALS):
+        with torch.serialization.safe_globals(safe_globals()):
             return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as err:
         found = re.search(r"GLOBAL ([\w.]+)", str(err))
@@ -217,14 +224,11 @@ def open_pretrained(
 def _from_sharded_checkpoint(path: Path, config: GPTConfig | None, allow_pickle: bool) -> Pretrained:
     """A torch.distributed.checkpoint folder of DataParallelStrategy (any world size): ``meta.pt``
     holds the hyper-parameters, the DCP shards the weights, re-sharded on load by DCP."""
-    from lightning.fabric.utilities.data import AttributeDict
-
     from lightning_train.strategies.checkpoint import is_sharded_checkpoint, load_sharded_model_state
 
     if not is_sharded_checkpoint(path):
         raise UserInputError(f"{str(path)!r} has meta.pt but no DCP .metadata: an incomplete checkpoint")
-    with torch.serialization.safe_globals([AttributeDict]):
-        meta = read_pickle(path / "meta.pt", allow_pickle)
+    meta = read_pickle(path / "meta.pt", allow_pickle)
 
     def read_shards(model: nn.Module) -> dict[str, torch.Tensor]:
         load_sharded_model_state(path, model)

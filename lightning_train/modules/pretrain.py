@@ -139,8 +139,8 @@ class PretrainModule(L.LightningModule):
         return loss
 
     def on_validation_epoch_start(self) -> None:
-        # Reset outside inference mode: metric states created under `trainer.validate()`'s inference
-        # mode could not be updated by a later `fit()`'s validation.
+        # Reset here, not at the epoch's end, and outside inference mode: states left as inference tensors
+        # by a `trainer.validate()` could not be updated by a later `fit()` (torch refuses in-place updates).
         with torch.inference_mode(False):
             self.val_loss.reset()
 

@@ -22,9 +22,7 @@ the newest K; this plugin removes a manifest together with its checkpoint.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
-import importlib
 import json
 import os
 import shutil
@@ -41,6 +39,7 @@ from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
 from lightning.fabric.utilities.types import _PATH
 
 from lightning_train.errors import UserInputError
+from lightning_train.models.weights import safe_globals
 
 FORMAT_VERSION = 1  # bump when the checkpoint layout changes incompatibly
 FORMAT_KEY = "lightning_train"  # checkpoint[FORMAT_KEY] = {"format_version": FORMAT_VERSION}
@@ -292,7 +291,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         if weights_only is False:
             checkpoint = torch.load(path, map_location=map_location, weights_only=False)
         else:
-            with torch.serialization.safe_globals(_own_dataclasses(path)):
+            with torch.serialization.safe_globals(safe_globals()):
                 checkpoint = torch.load(path, map_location=map_location, weights_only=True)
         check_format_version(checkpoint.get(FORMAT_KEY, {}).get("format_version", 0), path)
         return checkpoint
@@ -312,17 +311,3 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             manifest = Path(str(path) + MANIFEST_SUFFIX)
             if manifest.exists():
                 manifest.unlink()
-
-
-def _own_dataclasses(path: Path) -> list[type]:
-    """Dataclasses of lightning_train pickled into the checkpoint (e.g. a GPTConfig in hyperparameters):
-    plain field containers, safe to rebuild. Anything else stays refused by ``weights_only``."""
-    allowed = []
-    for name in torch.serialization.get_unsafe_globals_in_checkpoint(path):
-        module_name, _, attr = name.rpartition(".")
-        if not module_name.startswith("lightning_train."):
-            continue
-        obj = getattr(importlib.import_module(module_name), attr, None)
-        if isinstance(obj, type) and dataclasses.is_dataclass(obj):
-            allowed.append(obj)
-    return allowed

@@ -107,11 +107,11 @@ def _options(**kwargs: Any) -> Any:
 
 def read_metadata(path: str | Path, weights_only: bool = True) -> dict[str, Any]:
     """``meta.pt`` of a sharded checkpoint, or a whole ``.ckpt`` file. ``weights_only`` (the default)
-    unpickles no code: only plain containers, tensors and this package's GPTConfig are allowed."""
-    from lightning.fabric.utilities.data import AttributeDict
+    unpickles no code: only plain containers, tensors and ``models.weights.safe_globals()``."""
+    from lightning_train.models.weights import safe_globals
 
     file = Path(path) / _METADATA_FILENAME if Path(path).is_dir() else Path(path)
-    with torch.serialization.safe_globals([GPTConfig, AttributeDict]):
+    with torch.serialization.safe_globals(safe_globals()):
         try:
             return torch.load(file, map_location="cpu", weights_only=weights_only)
         except Exception as error:  # pickle.UnpicklingError for objects outside the allow-list
