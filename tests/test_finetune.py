@@ -8,6 +8,7 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
+from safetensors.torch import load_file
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_train.errors import UserInputError
@@ -16,6 +17,7 @@ from lightning_train.models.lora import LoRAConfig, lora_layers
 from lightning_train.models.weights import open_pretrained, save_safetensors
 from lightning_train.modules.finetune import FinetuneModule
 from lightning_train.modules.pretrain import PretrainModule
+from lightning_train.strategies import consolidate
 
 CONFIG = dict(vocab_size=258, block_size=64, n_layer=2, n_head=2, n_embd=32)
 
@@ -113,6 +115,12 @@ def test_lora_checkpoint_is_a_source_with_adapters_merged(tmp_path):
     source = open_pretrained(path)
     assert source.config == module.config
     torch.testing.assert_close(logits(source.build()), logits(tuned), atol=1e-4, rtol=0)
+
+    # `consolidate` exports the merged model: plain GPT keys, loadable strictly, same outputs
+    consolidate(str(path), str(tmp_path / "export"))
+    exported = GPT(module.config)
+    exported.load_state_dict(load_file(tmp_path / "export" / "model.safetensors"))
+    torch.testing.assert_close(logits(exported), logits(tuned), atol=1e-4, rtol=0)
 
 
 def test_freezing_keeps_embeddings_and_first_blocks_fixed(tmp_path):

@@ -268,6 +268,7 @@ def _fsdp_worker(out_dir: str) -> None:
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(
         {"measured": measured, "reference": reference, "placements": sorted(placements)}
     ))
+    torch.distributed.barrier()  # no rank tears gloo down while the other is still in a collective
     torch.distributed.destroy_process_group()
 
 

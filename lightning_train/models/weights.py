@@ -117,14 +117,13 @@ def _shorten(keys: list[str], limit: int = 6) -> str:
 
 def save_safetensors(model: GPT, output_dir: str | Path) -> Path:
     """Write ``model.safetensors`` and a ``config.json`` that ``read_gpt_config`` reads back; returns
-    the folder. A tied ``lm_head.weight`` is stored once, as the embedding."""
+    the folder. Every key of ``model.state_dict()`` is stored, so a plain strict ``load_state_dict``
+    works too (a tied ``lm_head.weight`` as its own copy: safetensors stores no shared tensors)."""
     from safetensors.torch import save_file
 
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
-    state_dict = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
-    if model.config.tie_embeddings:
-        state_dict.pop("lm_head.weight", None)
+    state_dict = {k: v.detach().cpu().contiguous().clone() for k, v in model.state_dict().items()}
     save_file(state_dict, str(output_dir / "model.safetensors"), metadata={"format": "pt"})
     config = {"model_type": MODEL_TYPE, **dataclasses.asdict(model.config)}
     (output_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")

@@ -12,8 +12,6 @@ folder written by N ranks loads on any number of ranks, or in one plain process.
 
 from __future__ import annotations
 
-import json
-from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +20,6 @@ from lightning.fabric.utilities.load import _METADATA_FILENAME
 from torch import nn
 
 from lightning_train.errors import UserInputError
-from lightning_train.models.gpt import GPTConfig
 
 MODEL_FILE, CONFIG_FILE = "model.safetensors", "config.json"
 
@@ -120,28 +117,18 @@ def read_metadata(path: str | Path, weights_only: bool = True) -> dict[str, Any]
             ) from error
 
 
-def _model_config(metadata: dict[str, Any]) -> GPTConfig | None:
-    config = (metadata.get("hyper_parameters") or {}).get("config")
-    if isinstance(config, GPTConfig):
-        return config
-    if isinstance(config, dict):
-        names = {field.name for field in fields(GPTConfig)}
-        return GPTConfig(**{key: value for key, value in config.items() if key in names})
-    return None
-
-
-def consolidate(checkpoint: str, output: str, prefix: str = "model.", overwrite: bool = False) -> Path:
-    """Export a checkpoint (sharded folder or ``.ckpt`` file) to ``OUTPUT/model.safetensors`` (the
-    network's full fp32 weights, names as in ``GPT.state_dict()``) and ``OUTPUT/config.json`` (the
-    ``GPTConfig``), which fine-tuning loads. Runs in one plain process, whatever the world size was.
+def consolidate(checkpoint: str, output: str, overwrite: bool = False) -> Path:
+    """Export a checkpoint of this package — a sharded folder of any world size, or a ``.ckpt`` file
+    (LoRA adapters merged) — to ``OUTPUT/model.safetensors`` (full fp32 weights, names as in
+    ``GPT.state_dict()``) and ``OUTPUT/config.json`` (the ``GPTConfig``), which fine-tuning and
+    ``generate`` load. Runs in one plain process, whatever the world size was.
 
     Args:
         checkpoint: the checkpoint folder or file.
         output: folder to write into (created if missing).
-        prefix: attribute path of the network inside the LightningModule (``PretrainModule.model``).
         overwrite: replace an existing export in ``output``.
     """
-    from safetensors.torch import save_file
+    from lightning_train.models.weights import open_pretrained, save_safetensors
 
     source, target = Path(checkpoint), Path(output)
     if not source.exists():
@@ -150,40 +137,6 @@ def consolidate(checkpoint: str, output: str, prefix: str = "model.", overwrite:
         raise UserInputError(
             f"{target / MODEL_FILE} already exists; choose another --output or pass --overwrite true"
         )
-    metadata = read_metadata(source)
-    state = _full_state_dict(source, metadata)
-    weights = {key[len(prefix) :]: value for key, value in state.items() if key.startswith(prefix)}
-    if not weights:
-        raise UserInputError(f"no tensors under prefix {prefix!r} in {source}; pass the right --prefix")
-    # safetensors stores each tensor once: tied weights (embed / lm_head) get their own copy
-    weights = {key: value.detach().to("cpu").contiguous().clone() for key, value in weights.items()}
-    target.mkdir(parents=True, exist_ok=True)
-    save_file(weights, str(target / MODEL_FILE), metadata={"format": "pt", "source": str(source)})
-    config = _model_config(metadata)
-    if config is not None:
-        (target / CONFIG_FILE).write_text(
-            json.dumps({"model_type": "gpt", **asdict(config)}, indent=2) + "\n"
-        )
-    print(
-        f"wrote {target / MODEL_FILE} ({len(weights)} tensors)"
-        + (f" and {target / CONFIG_FILE}" if config else "")
-    )
+    save_safetensors(open_pretrained(source).build(), target)
+    print(f"wrote {target / MODEL_FILE} and {target / CONFIG_FILE}")
     return target / MODEL_FILE
-
-
-def _full_state_dict(source: Path, metadata: dict[str, Any]) -> dict[str, torch.Tensor]:
-    if not source.is_dir():
-        return metadata["state_dict"]
-    if not is_sharded_checkpoint(source):
-        raise UserInputError(f"{source} is a folder but not a sharded checkpoint (no {_METADATA_FILENAME})")
-    from torch.distributed.checkpoint import FileSystemReader, load
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    items = FileSystemReader(str(source)).read_metadata().state_dict_metadata
-    state = {
-        key.removeprefix("state_dict."): torch.empty(item.size, dtype=item.properties.dtype)
-        for key, item in items.items()
-        if key.startswith("state_dict.") and isinstance(item, TensorStorageMetadata)
-    }
-    load({"state_dict": state}, checkpoint_id=str(source), no_dist=True)
-    return state
