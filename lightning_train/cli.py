@@ -59,7 +59,12 @@ class LightningTrainCLI(LightningCLI):
     def __init__(self, args: list[str] | None = None, **kwargs: Any) -> None:
         kwargs.setdefault("seed_everything_default", 1234)
         kwargs.setdefault("parser_class", _LightningParser)
-        kwargs.setdefault("parser_kwargs", {"prog": "python -m lightning_train"})
+        tools = ", ".join(_tools())
+        description = (
+            f"Train language models with Lightning: fit, validate, test, predict. Tools: {tools} "
+            "(`python -m lightning_train TOOL --help`)."
+        )
+        kwargs.setdefault("parser_kwargs", {"prog": "python -m lightning_train", "description": description})
         super().__init__(
             LightningModule, LightningDataModule, subclass_mode_model=True, subclass_mode_data=True,
             args=args, **kwargs,
