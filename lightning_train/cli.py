@@ -72,7 +72,7 @@ class LightningTrainCLI(LightningCLI):
 
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
         trainer_config = self._get(self.config_init, "trainer", default={})
-        return super().instantiate_trainer(**_run_defaults(trainer_config), **kwargs)
+        return super().instantiate_trainer(**{**_run_defaults(trainer_config), **kwargs})
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.add_argument(
