@@ -12,6 +12,7 @@ so saving the config never collides).
 
 from __future__ import annotations
 
+import atexit
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -31,6 +32,7 @@ from lightning_train.plugins import AtomicCheckpointIO
 from lightning_train.plugins.precision import amp_for_precision_flag
 from lightning_train.resume import checkpoint_mismatch_error, resolve_resume
 from lightning_train.strategies import DataParallelStrategy  # noqa: F401  (registers lt_ddp/lt_fsdp/lt_auto)
+from lightning_train.strategies.data_parallel import leave_process_group
 
 
 class _OneLineErrors:
@@ -165,6 +167,7 @@ _POSITIONAL_TOOLS = {"report"}  # `report RUN_DIR`; the others take --name value
 
 
 def main(argv: list[str] | None = None) -> None:
+    atexit.register(leave_process_group)  # whatever the strategy: see leave_process_group
     args = sys.argv[1:] if argv is None else argv
     try:
         tools = _tools()

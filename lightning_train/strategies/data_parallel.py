@@ -15,6 +15,7 @@ and sharded checkpoints (``torch.distributed.checkpoint`` folders that load at a
 
 from __future__ import annotations
 
+import atexit
 from collections.abc import Generator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
@@ -54,6 +55,14 @@ from lightning_train.strategies.parallelize import (
 Sharding = Literal["ddp", "fsdp", "auto"]
 SHARDINGS = ("ddp", "fsdp", "auto")
 _LOW_PRECISION = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
+
+
+def leave_process_group() -> None:
+    """Destroy the default process group while Python is still alive. Left to interpreter shutdown, Gloo's
+    worker threads can still hold tensors whose release then aborts the finished process (SIGABRT,
+    "terminate called without an active exception"), which a scheduler reads as a failed job."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 class DataParallelStrategy(ModelParallelStrategy):
@@ -134,6 +143,7 @@ class DataParallelStrategy(ModelParallelStrategy):
     def setup_environment(self) -> None:
         Strategy.setup_environment(self)  # accelerator setup; skips ModelParallelStrategy's 2-D (dp, tp) mesh
         self._setup_distributed()
+        atexit.register(leave_process_group)
         self._device_mesh = build_mesh(self.root_device.type, self.world_size, self.replicate_size)
         self.lightning_module._device_mesh = self._device_mesh
 
