@@ -38,6 +38,8 @@ from common import (
 )
 from torch.utils.data import DataLoader, Dataset
 
+from lightning_train.strategies.memory import measured_state_bytes
+
 SIZES = {  # (model, per-rank batch, steps, warmup steps)
     "full": ({"n_layer": 4, "n_embd": 256, "n_head": 4, "block_size": 128}, 4, 20, 5),
     "smoke": ({"n_layer": 2, "n_embd": 64, "n_head": 2, "block_size": 32}, 2, 4, 1),
@@ -58,26 +60,12 @@ class RandomTokens(Dataset):
         return {"input_ids": self.tokens[i, :-1], "labels": self.tokens[i, 1:]}
 
 
-def _local_bytes(tensor: torch.Tensor) -> int:
-    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
-    return local.numel() * local.element_size()
-
-
 class MemoryProbe(L.Callback):
     """After the last step: model-state bytes on this rank and the process's peak RSS."""
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        params = list({id(p): p for p in pl_module.parameters()}.values())
-        optimizer = trainer.optimizers[0]
         self.result = {
-            "param_bytes": sum(_local_bytes(p) for p in params),
-            "grad_bytes": sum(_local_bytes(p.grad) for p in params if p.grad is not None),
-            "optimizer_bytes": sum(
-                _local_bytes(v)
-                for s in optimizer.state.values()
-                for v in s.values()
-                if isinstance(v, torch.Tensor) and v.dim() > 0
-            ),
+            **measured_state_bytes(pl_module, trainer.optimizers[0]),
             "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,  # Linux: KiB
         }
 

@@ -132,3 +132,25 @@ def choose_sharding(estimate: MemoryEstimate, budget_bytes: int, margin: float =
     """ "ddp" when everything replicated fits in ``margin`` of the budget (headroom for the allocator,
     temporary buffers and communication), else "fsdp"."""
     return "ddp" if estimate.ddp_bytes <= margin * budget_bytes else "fsdp"
+
+
+def measured_state_bytes(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """What this rank really holds of parameters, gradients and optimizer state, in bytes: the local
+    shards of DTensors under FSDP2, whole tensors otherwise (tied parameters once). The measured
+    counterpart of ``estimate_memory``."""
+
+    def local_bytes(tensor: torch.Tensor) -> int:
+        local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+        return local.numel() * local.element_size()
+
+    params = list({id(p): p for p in module.parameters()}.values())
+    return {
+        "param_bytes": sum(local_bytes(p) for p in params),
+        "grad_bytes": sum(local_bytes(p.grad) for p in params if p.grad is not None),
+        "optimizer_bytes": sum(
+            local_bytes(value)
+            for state in optimizer.state.values()
+            for value in state.values()
+            if isinstance(value, torch.Tensor) and value.dim() > 0  # not the scalar step counts
+        ),
+    }

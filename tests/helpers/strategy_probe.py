@@ -18,6 +18,8 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
+from lightning_train.strategies.memory import measured_state_bytes
+
 
 class PatternDataset(Dataset):
     """Sequences ``(start + stride * t) % vocab``: next-token prediction a tiny model learns quickly."""
@@ -48,11 +50,6 @@ class PatternDataModule(L.LightningDataModule):
         kwargs = self.trainer.distributed_sampler_kwargs or {"num_replicas": 1, "rank": 0}
         sampler = DistributedSampler(self.dataset, shuffle=False, **kwargs)
         return DataLoader(self.dataset, batch_size=self.batch_size, sampler=sampler)
-
-
-def _local_bytes(tensor: torch.Tensor) -> int:
-    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
-    return local.numel() * local.element_size()
 
 
 def _mean_over_ranks(value: torch.Tensor) -> float:
@@ -112,18 +109,7 @@ class StrategyProbe(L.Callback):
         if (batch_idx + 1) % trainer.accumulate_grad_batches == 0:
             self.losses.append(self._pending)
             self._pending = 0.0
-        params = {id(p): p for p in pl_module.parameters()}.values()
-        optimizer = trainer.optimizers[0]
-        self.memory = {
-            "param_bytes": sum(_local_bytes(p) for p in params),
-            "grad_bytes": sum(_local_bytes(p.grad) for p in params if p.grad is not None),
-            "optimizer_bytes": sum(
-                _local_bytes(v)
-                for state in optimizer.state.values()
-                for v in state.values()
-                if isinstance(v, torch.Tensor) and v.dim() > 0
-            ),
-        }
+        self.memory = measured_state_bytes(pl_module, trainer.optimizers[0])
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         strategy = trainer.strategy
