@@ -4,14 +4,18 @@ single-file training loop with the same model size, batch and sequence length, r
 file. Goal: ratio (lightning tokens/s / nanoGPT tokens/s) >= 1.0.
 
 The peer below is self-contained (no lightning_train imports), written as nanoGPT's ``model.py`` and
-``train.py`` are: a GPT-2 block (LayerNorm, learned positions, GELU MLP, flash attention through SDPA,
-tied embeddings), ``np.memmap`` random-offset batches, fused AdamW, warmup+cosine LR, clipping at 1.0 and
-``loss.item()`` every ``log_interval`` steps. The default config is a Llama-style block (RMSNorm, rotary
-positions, SwiGLU), so a second row runs the default config switched to the GPT-2 block: that row
-compares the same architecture, the first one what a user gets out of the box.
+``train.py`` are: ``np.memmap`` random-offset batches, fused AdamW, warmup+cosine LR, clipping at 1.0 and
+``loss.item()`` every ``log_interval`` steps. It has two blocks: nanoGPT's own GPT-2 block (LayerNorm,
+learned positions, tanh-GELU MLP) and the default config's Llama-style block (RMSNorm, rotary positions,
+SwiGLU) written the way a single-file reference writes it. Rows:
+
+1. the default config against the peer with the same block: what the framework costs;
+2. the default config against nanoGPT's GPT-2 block with as many parameters (837 K): what a user gets
+   out of the box against nanoGPT as it is;
+3. row 2 with ``torch.compile`` on both sides (``model.compile: true``; nanoGPT compiles by default).
 
     python benchmarks/throughput.py            # 5 pairs per row, 1 thread
-    python benchmarks/throughput.py --smoke    # seconds; checks the script works
+    python benchmarks/throughput.py --smoke    # a minute; checks the script works
 """
 
 from __future__ import annotations
@@ -45,11 +49,9 @@ from torch import nn
 from lightning_train.data import default_corpus_dir
 
 CONFIG = REPO / "configs" / "pretrain-tiny.yaml"
-GPT2_BLOCK = ["--model.init_args.config.norm=layernorm", "--model.init_args.config.position=learned",
-              "--model.init_args.config.mlp=gelu"]
 SMOKE_SHAPE = ["--model.init_args.config.n_layer=1", "--model.init_args.config.n_embd=32",
-               "--model.init_args.config.block_size=32", "--data.init_args.seq_len=32",
-               "--data.init_args.batch_size=4"]
+               "--model.init_args.config.intermediate_size=96", "--model.init_args.config.block_size=32",
+               "--data.init_args.seq_len=32", "--data.init_args.batch_size=4"]
 
 
 # ---- the peer: a nanoGPT-style model and loop in plain PyTorch ----------------------------------------
@@ -60,15 +62,22 @@ class CausalSelfAttention(nn.Module):
         self.c_attn = nn.Linear(n_embd, 3 * n_embd, bias=False)
         self.c_proj = nn.Linear(n_embd, n_embd, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         B, T, C = x.size()
         q, k, v = self.c_attn(x).split(C, dim=2)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        if rope is not None:
+            q, k = rotate(q, *rope), rotate(k, *rope)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
 
 
-class PeerBlock(nn.Module):
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class GPT2Block(nn.Module):
     def __init__(self, n_embd: int, n_head: int) -> None:
         super().__init__()
         self.ln_1, self.ln_2 = nn.LayerNorm(n_embd, bias=False), nn.LayerNorm(n_embd, bias=False)
@@ -78,18 +87,44 @@ class PeerBlock(nn.Module):
             nn.Linear(4 * n_embd, n_embd, bias=False),
         )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: None = None) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x))
         return x + self.mlp(self.ln_2(x))
 
 
-class PeerGPT(nn.Module):
-    def __init__(self, vocab_size: int, block_size: int, n_layer: int, n_head: int, n_embd: int) -> None:
+class LlamaBlock(nn.Module):
+    def __init__(self, n_embd: int, n_head: int, hidden: int) -> None:
         super().__init__()
-        self.wte, self.wpe = nn.Embedding(vocab_size, n_embd), nn.Embedding(block_size, n_embd)
-        self.h = nn.ModuleList(PeerBlock(n_embd, n_head) for _ in range(n_layer))
-        self.ln_f = nn.LayerNorm(n_embd, bias=False)
-        self.lm_head = nn.Linear(n_embd, vocab_size, bias=False)
+        self.ln_1, self.ln_2 = nn.RMSNorm(n_embd, eps=1e-5), nn.RMSNorm(n_embd, eps=1e-5)
+        self.attn = CausalSelfAttention(n_embd, n_head)
+        self.w1, self.w3 = nn.Linear(n_embd, hidden, bias=False), nn.Linear(n_embd, hidden, bias=False)
+        self.c_proj = nn.Linear(hidden, n_embd, bias=False)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), rope)
+        h = self.ln_2(x)
+        return x + self.c_proj(F.silu(self.w1(h)) * self.w3(h))
+
+
+class PeerGPT(nn.Module):
+    def __init__(self, shape: dict[str, Any]) -> None:
+        super().__init__()
+        n_layer, n_head, n_embd = shape["n_layer"], shape["n_head"], shape["n_embd"]
+        self.llama = shape["block"] == "llama"
+        self.wte = nn.Embedding(shape["vocab_size"], n_embd)
+        if self.llama:
+            self.h = nn.ModuleList(LlamaBlock(n_embd, n_head, shape["hidden"]) for _ in range(n_layer))
+            self.ln_f = nn.RMSNorm(n_embd, eps=1e-5)
+            head_dim = n_embd // n_head
+            inv_freq = 10000.0 ** -(torch.arange(0, head_dim, 2) / head_dim)
+            freqs = torch.outer(torch.arange(shape["block_size"]), inv_freq)
+            self.register_buffer("cos", freqs.cos().repeat(1, 2), persistent=False)
+            self.register_buffer("sin", freqs.sin().repeat(1, 2), persistent=False)
+        else:
+            self.wpe = nn.Embedding(shape["block_size"], n_embd)
+            self.h = nn.ModuleList(GPT2Block(n_embd, n_head) for _ in range(n_layer))
+            self.ln_f = nn.LayerNorm(n_embd, bias=False)
+        self.lm_head = nn.Linear(n_embd, shape["vocab_size"], bias=False)
         self.wte.weight = self.lm_head.weight
         for name, p in self.named_parameters():
             if p.ndim == 2:
@@ -97,20 +132,26 @@ class PeerGPT(nn.Module):
                 nn.init.normal_(p, std=std)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        pos = torch.arange(idx.size(1), device=idx.device)
-        x = self.wte(idx) + self.wpe(pos)
+        T = idx.size(1)
+        x = self.wte(idx)
+        rope = (self.cos[:T], self.sin[:T]) if self.llama else None
+        if not self.llama:
+            x = x + self.wpe(torch.arange(T, device=idx.device))
         for block in self.h:
-            x = block(x)
+            x = block(x, rope)
         logits = self.lm_head(self.ln_f(x))
         return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
 
 
-def train_peer(shape: dict[str, int], train_bin: Path, steps: int, warmup: int, device: torch.device) -> dict:
+def train_peer(
+    shape: dict[str, Any], train_bin: Path, steps: int, warmup: int, device: torch.device, compile: bool
+) -> dict:
     """nanoGPT's training loop, trimmed to one device and no evaluation."""
     batch_size, block_size = shape["batch_size"], shape["block_size"]
     log_interval, lr, min_lr, warmup_iters = 10, 2e-3, 2e-4, 50
-    model = PeerGPT(shape["vocab_size"], block_size, shape["n_layer"], shape["n_head"], shape["n_embd"])
-    model.to(device)
+    model = PeerGPT(shape).to(device)
+    if compile:
+        model = torch.compile(model)
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
@@ -167,38 +208,44 @@ def train_lightning(overrides: list[str], steps: int, warmup: int) -> dict:
     return timer.per_step()
 
 
-def peer_shape(overrides: list[str]) -> tuple[dict[str, Any], Path]:
-    """The model/batch shape the config resolves to, and the default corpus' first train shard."""
+def peer_shape(overrides: list[str], block: str) -> tuple[dict[str, Any], Path]:
+    """The peer's shape (``block``: "gpt2" or "llama") for the model/batch the config resolves to, and the
+    default corpus' first train shard. The GPT-2 block gets nanoGPT's 4 * n_embd MLP."""
     with tempfile.TemporaryDirectory() as root:
         cli = build_cli(overrides, root, steps=1)
         data, config = cli.datamodule, cli.model.config
         folder = Path(data.data_dir) if data.data_dir else default_corpus_dir()
         meta = data.meta
-    shape = {"vocab_size": config.vocab_size, "block_size": data.seq_len, "n_layer": config.n_layer,
-             "n_head": config.n_head, "n_embd": config.n_embd, "batch_size": data.batch_size,
-             "dtype": meta["dtype"]}
+    shape = {"block": block, "vocab_size": config.vocab_size, "block_size": data.seq_len,
+             "n_layer": config.n_layer, "n_head": config.n_head, "n_embd": config.n_embd,
+             "hidden": config.intermediate_size, "batch_size": data.batch_size, "dtype": meta["dtype"]}
     train_file = next(s["file"] for s in meta["shards"] if s["split"] == "train")
     return shape, folder / train_file
+
+
+ROWS = {  # name: (our CLI overrides, the peer's block, torch.compile on both sides)
+    "default config / same block": ([], "llama", False),
+    "default config / nanoGPT GPT-2 block": ([], "gpt2", False),
+    "both compiled: default config / nanoGPT GPT-2 block": (["--model.init_args.compile=true"], "gpt2", True),
+}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = base_parser("throughput", __doc__.splitlines()[0], pairs=5).parse_args(argv)
     set_threads(args.threads)
     device = torch.device("cpu")  # the default config is the CPU one
-    steps, warmup, pairs = (4, 1, 1) if args.smoke else (40, 5, args.pairs)
-    shrink = SMOKE_SHAPE if args.smoke else []
+    # Compiled runs compile in their first steps: the warmup leaves them out of the timing.
+    steps, warmup, pairs = (4, 2, 1) if args.smoke else (40, 5, args.pairs)
     machine = machine_info(args.threads)
-    rows = {
-        "default config (Llama-style block)": shrink,
-        "default config, GPT-2 block": [*GPT2_BLOCK, *shrink],
-    }
-    results, shapes = {}, {}
-    for name, overrides in rows.items():
-        shape, train_bin = peer_shape(overrides)
+    results, shapes, rows = {}, {}, {}
+    for name, (overrides, block, compile) in ROWS.items():
+        overrides = overrides + (SMOKE_SHAPE if args.smoke else [])
+        rows[name] = {"lightning_overrides": overrides, "peer_block": block, "compile": compile}
+        shape, train_bin = peer_shape(overrides, block)
         shapes[name] = shape
         measured = paired(
             partial(train_lightning, overrides, steps, warmup),
-            partial(train_peer, shape, train_bin, steps, warmup, device),
+            partial(train_peer, shape, train_bin, steps, warmup, device, compile),
             pairs,
         )
         results[name] = compare_clocks("lightning_train", "nanoGPT-style loop", measured, "s/step")

@@ -49,7 +49,7 @@ def test_overhead_smoke(tmp_path: Path) -> None:
 def test_throughput_smoke(tmp_path: Path) -> None:
     payload = run_smoke("throughput.py", tmp_path / "throughput.json")
     assert payload["benchmark"] == "throughput"
-    assert len(payload["results"]) == 2  # the default config as is, and with the GPT-2 block
+    assert len(payload["results"]) == 3  # same block, GPT-2 block, both compiled
     for row, by_clock in payload["results"].items():
         assert payload["setup"]["shapes"][row]["block_size"] == 32
         for result in by_clock.values():

@@ -158,17 +158,20 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    """SwiGLU, ``down(silu(gate(x)) * up(x))``, or GELU, ``down(gelu(up(x)))``. gate and up are two
+    layers, as in Llama checkpoints: one fused layer split in two copies its gradient in backward."""
+
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
-        self.gated = config.mlp == "swiglu"
         hidden = config.intermediate_size
-        self.up = nn.Linear(config.n_embd, 2 * hidden if self.gated else hidden, bias=config.bias)
+        gated = config.mlp == "swiglu"
+        self.gate = nn.Linear(config.n_embd, hidden, bias=config.bias) if gated else None
+        self.up = nn.Linear(config.n_embd, hidden, bias=config.bias)
         self.down = nn.Linear(hidden, config.n_embd, bias=config.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gated:
-            gate, up = self.up(x).chunk(2, dim=-1)
-            return self.down(F.silu(gate) * up)
+        if self.gate is not None:
+            return self.down(F.silu(self.gate(x)) * self.up(x))
         return self.down(F.gelu(self.up(x), approximate="tanh"))
 
 

@@ -7,8 +7,8 @@ Mapping rather than wrapping: the weights become a plain ``GPT``, so every part 
 - GPT-2: LayerNorm with bias, learned positions, tanh-GELU MLP. Its ``Conv1D`` layers store
   weights as (in, out), so they are transposed; ``c_attn`` is already a fused q|k|v like ours.
 - Llama (and Mistral without a sliding window): RMSNorm, rotary embeddings in the rotate-half layout
-  (as ours), SwiGLU (our ``mlp.up`` is ``[gate; up]``), grouped-query attention. q, k and v are
-  concatenated into our fused ``qkv``.
+  (as ours), SwiGLU (``gate_proj``/``up_proj`` are our ``mlp.gate``/``mlp.up``), grouped-query
+  attention. q, k and v are concatenated into our fused ``qkv``.
 
     >>> config, state_dict = load_hf_folder("path/to/gpt2")  # doctest: +SKIP
     >>> model = GPT(config); model.load_state_dict(state_dict, strict=False)  # doctest: +SKIP
@@ -150,8 +150,8 @@ def _convert_llama(w: StateDict, config: GPTConfig) -> StateDict:
         out[f"blocks.{i}.attn_norm.weight"] = w.pop(p + "input_layernorm.weight")
         out[f"blocks.{i}.mlp_norm.weight"] = w.pop(p + "post_attention_layernorm.weight")
         fused = {"attn.qkv": ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
-                 "attn.proj": ["self_attn.o_proj"], "mlp.up": ["mlp.gate_proj", "mlp.up_proj"],
-                 "mlp.down": ["mlp.down_proj"]}
+                 "attn.proj": ["self_attn.o_proj"], "mlp.gate": ["mlp.gate_proj"],
+                 "mlp.up": ["mlp.up_proj"], "mlp.down": ["mlp.down_proj"]}
         for ours, theirs in fused.items():
             for kind in ("weight", "bias") if config.bias else ("weight",):
                 out[f"blocks.{i}.{ours}.{kind}"] = torch.cat([w.pop(f"{p}{t}.{kind}") for t in theirs])

@@ -14,13 +14,14 @@ and checkpointing work unchanged; ``merge_lora`` folds the adapters back into pl
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from torch import nn
 
 from lightning_train.errors import UserInputError
 
 ADAPTER = "default"
+BLOCK_LINEARS = ("qkv", "proj", "gate", "up", "down")  # the default targets, where the model has them
 
 
 @dataclass
@@ -32,13 +33,14 @@ class LoRAConfig:
         alpha: scale numerator; the update is multiplied by ``alpha / rank``.
         dropout: dropout on the adapter's input.
         target_modules: names (last component) of the ``nn.Linear`` layers to adapt; our GPT's are
-            ``qkv`` and ``proj`` (attention), ``up`` and ``down`` (MLP).
+            ``qkv`` and ``proj`` (attention), ``gate`` (SwiGLU only), ``up`` and ``down`` (MLP).
+            None: every one of those the model has.
     """
 
     rank: int = 8
     alpha: float = 16.0
     dropout: float = 0.0
-    target_modules: list[str] = field(default_factory=lambda: ["qkv", "proj", "up", "down"])
+    target_modules: list[str] | None = None
 
 
 def apply_lora(model: nn.Module, config: LoRAConfig) -> nn.Module:
@@ -48,14 +50,17 @@ def apply_lora(model: nn.Module, config: LoRAConfig) -> nn.Module:
 
     linears = [name for name, module in model.named_modules() if isinstance(module, nn.Linear)]
     linear_names = sorted({name.rsplit(".", 1)[-1] for name in linears})
-    unknown = [t for t in config.target_modules if t not in linear_names]
-    if unknown or not config.target_modules:
+    targets = config.target_modules
+    if targets is None:
+        targets = [name for name in BLOCK_LINEARS if name in linear_names]
+    unknown = [t for t in targets if t not in linear_names]
+    if unknown or not targets:
         raise UserInputError(
-            f"lora.target_modules={config.target_modules} names no linear layer of the model ({unknown}); "
+            f"lora.target_modules={targets} names no linear layer of the model ({unknown}); "
             f"pick from {linear_names}"
         )
     tied = getattr(getattr(model, "config", None), "tie_embeddings", False)
-    if "lm_head" in config.target_modules and tied:
+    if "lm_head" in targets and tied:
         raise UserInputError(
             "lora.target_modules includes 'lm_head', whose weight is tied to the embedding; merging would "
             "change the embedding too. Leave 'lm_head' out or use a model with tie_embeddings: false"
@@ -64,7 +69,7 @@ def apply_lora(model: nn.Module, config: LoRAConfig) -> nn.Module:
         raise UserInputError(f"lora.rank={config.rank} must be at least 1")
     peft_config = LoraConfig(
         r=config.rank, lora_alpha=config.alpha, lora_dropout=config.dropout,
-        target_modules=list(config.target_modules),
+        target_modules=list(targets),
     )
     return inject_adapter_in_model(peft_config, model, adapter_name=ADAPTER)
 
