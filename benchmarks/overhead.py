@@ -21,6 +21,7 @@ from typing import Any
 import lightning as L
 import torch
 import torch.nn.functional as F
+from callback_overhead import tiny_config
 from common import (
     StepTimer,
     base_parser,
@@ -145,9 +146,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.smoke:
         config = GPTConfig(vocab_size=258, block_size=32, n_layer=2, n_head=2, n_embd=32)
         batch_size, steps, warmup, pairs = 4, 6, 2, 1
-    else:  # the shape of configs/pretrain-tiny.yaml
-        config = GPTConfig(vocab_size=258, block_size=128, n_layer=4, n_head=4, n_embd=128)
-        batch_size, steps, warmup, pairs = 16, 40, 5, args.pairs
+    else:  # the model and batch of configs/pretrain-tiny.yaml
+        setup = tiny_config()
+        config, batch_size = setup["model"], setup["batch_size"]
+        steps, warmup, pairs = 40, 5, args.pairs
     callback_status = health_callbacks()[1]
     batches = make_batches(config, batch_size, steps)
     torch.manual_seed(0)

@@ -107,6 +107,19 @@ def test_lora_trains_only_adapters_and_merge_keeps_outputs(tmp_path):
     torch.testing.assert_close(logits(exported), before, atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize(
+    ("mlp", "expected"),
+    [("swiglu", {"qkv", "proj", "gate", "up", "down"}), ("gelu", {"qkv", "proj", "up", "down"})],
+)
+def test_lora_default_targets_every_block_linear_the_model_has(mlp, expected):
+    from lightning_train.models.lora import apply_lora
+
+    model = apply_lora(GPT(GPTConfig(**CONFIG, mlp=mlp)), LoRAConfig(rank=2))
+    assert {name.rsplit(".", 1)[-1] for name, _ in lora_layers(model)} == expected
+    with pytest.raises(UserInputError, match="gate"):  # a GELU MLP has no gate to adapt
+        apply_lora(GPT(GPTConfig(**CONFIG, mlp="gelu")), LoRAConfig(rank=2, target_modules=["gate"]))
+
+
 def test_lora_checkpoint_is_a_source_with_adapters_merged(tmp_path):
     base, _ = make_checkpoint(tmp_path / "base")
     module = FinetuneModule(str(base), lora=LoRAConfig(rank=2), learning_rate=1e-2, warmup_steps=1)

@@ -82,7 +82,7 @@ def test_no_weight_decay_on_norms_biases_and_embeddings(tiny_config):
     no_decay = {names[id(p)] for p in groups["no_decay"]["params"]}
     assert "embed.weight" in no_decay and "norm.weight" in no_decay
     assert all(
-        names[id(p)].endswith(("qkv.weight", "proj.weight", "up.weight", "down.weight"))
+        names[id(p)].endswith(("qkv.weight", "proj.weight", "gate.weight", "up.weight", "down.weight"))
         for p in groups["decay"]["params"]
     )
     assert groups["no_decay"]["weight_decay"] == 0.0

@@ -1,4 +1,4 @@
-"""TokenProgressBar (issue #8's progress bar): tokens/s from ThroughputMonitor and an ETA to max_steps."""
+"""TokenProgressBar (issue #8's progress bar): the loss, tokens/s from ThroughputMonitor and an ETA."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ class Snapshot(L.Callback):
         if trainer.global_step == 4:
             bar = trainer.progress_bar_callback
             self.items, self.eta = bar.get_metrics(trainer, pl_module), bar.eta_seconds(trainer)
+            self.loss = outputs["loss"].item()
 
 
 def test_bar_shows_tokens_per_second_and_eta(tmp_path, tiny_config):
@@ -27,6 +28,10 @@ def test_bar_shows_tokens_per_second_and_eta(tmp_path, tiny_config):
                         default_root_dir=tmp_path)
     trainer.fit(PretrainModule(tiny_config, warmup_steps=2), TokenBatches())
     assert "perf/tokens_per_sec" not in snapshot.items
+    # The loss is read when the bar redraws; as a progress-bar metric Lightning would read it to the host
+    # after every batch (a GPU sync a step).
+    assert "train/loss" not in trainer.progress_bar_metrics
+    assert snapshot.items["train/loss"] == snapshot.loss  # this step's loss
     assert snapshot.items["tok/s"][-1] in "0123456789kMG"
     assert snapshot.eta > 0 and snapshot.items["eta"].count(":") == 2  # H:MM:SS
     assert TokenProgressBar().eta_seconds(trainer) is None  # no steps seen yet: no guess

@@ -1,7 +1,9 @@
-"""Progress bars that show training throughput (tokens/s) and the time left until ``max_steps``.
+"""Progress bars that show the training loss, throughput (tokens/s) and the time left until ``max_steps``.
 
-Lightning's own bars (TQDM or Rich) with two more items: ``tok/s``, taken from the
-``perf/tokens_per_sec`` progress-bar metric that ``ThroughputMonitor`` logs, and ``eta``, from the
+Lightning's own bars (TQDM or Rich) with three more items: ``train/loss``, read from the logged
+metrics only when the bar redraws (a value logged with ``prog_bar=True`` is read to the host after
+every batch, which on a GPU waits for the step to finish); ``tok/s``, taken from the
+``perf/tokens_per_sec`` progress-bar metric that ``ThroughputMonitor`` logs; and ``eta``, from the
 wall time of the last 50 optimizer steps and the steps left to ``max_steps`` (or to the end of
 ``max_epochs``).
 
@@ -25,6 +27,7 @@ import lightning as L
 from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
 
 TOKENS_PER_SEC = "perf/tokens_per_sec"
+TRAIN_LOSS = "train/loss"
 
 
 class _TokensAndETA:
@@ -45,6 +48,9 @@ class _TokensAndETA:
 
     def get_metrics(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, Any]:
         items = super().get_metrics(trainer, pl_module)
+        loss = trainer.callback_metrics.get(TRAIN_LOSS)
+        if loss is not None and TRAIN_LOSS not in items:
+            items[TRAIN_LOSS] = float(loss)
         rate = items.pop(TOKENS_PER_SEC, None)
         if rate is not None:
             items["tok/s"] = _si(float(rate))

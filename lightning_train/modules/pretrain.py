@@ -132,8 +132,10 @@ class PretrainModule(L.LightningModule):
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss = self.compute_loss(self(batch["input_ids"]), batch["labels"])
-        self.log("train/loss", loss, prog_bar=True)
-        # A float logged every step would be copied to the device every step: log it when it is written.
+        # Not prog_bar=True: Lightning would read the loss to the host (a GPU sync) after every batch, shown
+        # or not. TokenProgressBar reads it when it redraws.
+        self.log("train/loss", loss)
+        # A logged float is copied to the device each time: log it when it is written.
         if (self.global_step + 1) % self.trainer.log_every_n_steps == 0:
             self.log("train/lr", self.optimizers().param_groups[0]["lr"])
         return loss
