@@ -149,10 +149,10 @@ def _convert_llama(w: StateDict, config: GPTConfig) -> StateDict:
         p = f"layers.{i}."
         out[f"blocks.{i}.attn_norm.weight"] = w.pop(p + "input_layernorm.weight")
         out[f"blocks.{i}.mlp_norm.weight"] = w.pop(p + "post_attention_layernorm.weight")
-        fused = {"attn.qkv": ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
-                 "attn.proj": ["self_attn.o_proj"], "mlp.gate": ["mlp.gate_proj"],
-                 "mlp.up": ["mlp.up_proj"], "mlp.down": ["mlp.down_proj"]}
-        for ours, theirs in fused.items():
+        sources = {"attn.qkv": ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
+                   "attn.proj": ["self_attn.o_proj"], "mlp.gate": ["mlp.gate_proj"],
+                   "mlp.up": ["mlp.up_proj"], "mlp.down": ["mlp.down_proj"]}
+        for ours, theirs in sources.items():  # q, k, v concatenated; the rest one to one
             for kind in ("weight", "bias") if config.bias else ("weight",):
                 out[f"blocks.{i}.{ours}.{kind}"] = torch.cat([w.pop(f"{p}{t}.{kind}") for t in theirs])
     return _finish(out, w, config)
