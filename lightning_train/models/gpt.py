@@ -54,8 +54,8 @@ class GPTConfig:
         if self.intermediate_size is None:
             if self.mlp == "gelu":
                 self.intermediate_size = 4 * self.n_embd
-            else:  # 2/3 of 4*n_embd keeps the parameter count of a GELU MLP; round up to 64
-                self.intermediate_size = 64 * math.ceil(8 * self.n_embd / 3 / 64)
+            else:  # 2/3 of 4*n_embd keeps the parameter count of a GELU MLP; round up to 32
+                self.intermediate_size = 32 * math.ceil(8 * self.n_embd / 3 / 32)
 
     @property
     def head_dim(self) -> int:
