@@ -50,8 +50,8 @@ from lightning_train.data import default_corpus_dir
 
 CONFIG = REPO / "configs" / "pretrain-tiny.yaml"
 SMOKE_SHAPE = ["--model.init_args.config.n_layer=1", "--model.init_args.config.n_embd=32",
-               "--model.init_args.config.intermediate_size=96", "--model.init_args.config.block_size=32",
-               "--data.init_args.seq_len=32", "--data.init_args.batch_size=4"]
+               "--model.init_args.config.block_size=32", "--data.init_args.seq_len=32",
+               "--data.init_args.batch_size=4"]
 
 
 # ---- the peer: a nanoGPT-style model and loop in plain PyTorch ----------------------------------------
