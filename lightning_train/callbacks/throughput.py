@@ -15,6 +15,7 @@ synchronises the device on every batch, hence this small one.
 
 from __future__ import annotations
 
+import functools
 import re
 import time
 from collections.abc import Callable
@@ -89,7 +90,8 @@ class ThroughputMonitor(Callback):
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         model = getattr(pl_module, "model", None)
         flops_fn = getattr(pl_module, "flops_per_token", None) or getattr(model, "flops_per_token", None)
-        self._flops_per_token = flops_fn if callable(flops_fn) else None
+        # Cached per sequence length: a model's count walks its parameters, which is no per-step work.
+        self._flops_per_token = functools.cache(flops_fn) if callable(flops_fn) else None
         peak = self.peak_flops or _device_peak_flops(trainer.strategy.root_device, str(trainer.precision))
         self._total_peak = peak * trainer.world_size if peak else None
         self._restart_interval(trainer)
