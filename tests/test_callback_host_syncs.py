@@ -40,17 +40,18 @@ class WithValidation(FixedBatches):
 
 
 @contextmanager
-def host_reads_from_callbacks(trainer: L.Trainer) -> Iterator[list[dict]]:
+def host_reads_from_callbacks(trainer: L.Trainer, folder: str = CALLBACKS_DIR) -> Iterator[list[dict]]:
+    """Records the host reads made from code under ``folder`` ("" for every read, from anywhere)."""
     reads: list[dict] = []
 
     def recording(name: str, original):
         def read(tensor, *args, **kwargs):
             frame = sys._getframe(1)
             while frame is not None:
-                if frame.f_code.co_filename.startswith(CALLBACKS_DIR):
+                if frame.f_code.co_filename.startswith(folder):
                     where = f"{Path(frame.f_code.co_filename).name}:{frame.f_lineno}"
                     reads.append({"read": name, "at": where, "step": trainer.global_step,
-                                  "validating": trainer.validating})
+                                  "validating": trainer.validating, "training": trainer.training})
                     break
                 frame = frame.f_back
             return original(tensor, *args, **kwargs)
@@ -91,3 +92,26 @@ def test_logging_steps_read_once_per_interval(tmp_path):
     assert {r["step"] for r in reads} == {3, 6}
     grad_norm_copies = [r for r in reads if r["at"].startswith("grad_norm.py")]
     assert [r["read"] for r in grad_norm_copies] == ["tolist", "tolist"]  # one host copy per interval
+
+
+def test_the_training_loop_reads_nothing_on_non_logging_steps(tmp_path):
+    """All of it: Lightning's loop and logging, PretrainModule, the progress bar and the monitors. A loss
+    logged with prog_bar=True was read by Lightning after every batch (a GPU sync a step). Left out:
+    ThroughputMonitor, whose progress-bar value is a host tensor on purpose (read every batch, no sync)."""
+    from lightning.pytorch.loggers import CSVLogger
+
+    from lightning_train.callbacks.progress import TokenProgressBar
+
+    L.seed_everything(0)
+    callbacks = [GradNormMonitor(), TimeToQuality(target=0.0), LossScaleMonitor(),
+                 TokenProgressBar(refresh_rate=5)]
+    trainer = L.Trainer(
+        accelerator="cpu", max_steps=12, log_every_n_steps=5, gradient_clip_val=1.0, limit_val_batches=0,
+        callbacks=callbacks, logger=CSVLogger(tmp_path), enable_checkpointing=False,
+        enable_model_summary=False, default_root_dir=tmp_path,
+    )
+    with host_reads_from_callbacks(trainer, folder="") as reads:
+        trainer.fit(PretrainModule(GPTConfig(**TINY)), WithValidation())
+    steps_with_reads = {r["step"] for r in reads if r["training"]}
+    assert {5, 10} <= steps_with_reads  # the logging steps (the counter works)
+    assert steps_with_reads <= {0, 5, 10, 12}  # and data setup before the first step, teardown after the last
