@@ -14,6 +14,9 @@ SwiGLU) written the way a single-file reference writes it. Rows:
    out of the box against nanoGPT as it is;
 3. row 2 with ``torch.compile`` on both sides (``model.compile: true``; nanoGPT compiles by default).
 
+A last table times the three models alone (forward+backward, alternated step by step), which tells a
+gap in the model from a gap in the loop around it.
+
     python benchmarks/throughput.py            # 5 pairs per row, 1 thread
     python benchmarks/throughput.py --smoke    # a minute; checks the script works
 """
@@ -21,7 +24,9 @@ SwiGLU) written the way a single-file reference writes it. Rows:
 from __future__ import annotations
 
 import math
+import statistics
 import tempfile
+import time
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -223,6 +228,35 @@ def peer_shape(overrides: list[str], block: str) -> tuple[dict[str, Any], Path]:
     return shape, folder / train_file
 
 
+def model_parity(overrides: list[str], steps: int) -> dict[str, float]:
+    """Median CPU milliseconds of one forward+backward of our GPT (the config's) and of both peer models
+    on the same batch, the three alternated step by step in this process: no loop, no data, and the
+    machine's drift cancels. Says whether a throughput gap is the model or the loop around it."""
+    from lightning_train.models.gpt import GPT
+
+    with tempfile.TemporaryDirectory() as root:
+        config = build_cli(overrides, root, steps=1).model.config
+    shape, _ = peer_shape(overrides, "llama")
+    torch.manual_seed(0)
+    x, y = (torch.randint(config.vocab_size, (shape["batch_size"], shape["block_size"])) for _ in range(2))
+    ours, same, gpt2 = GPT(config), PeerGPT(shape), PeerGPT({**shape, "block": "gpt2"})
+    steps_of = {
+        "lightning_train GPT": (ours, lambda: F.cross_entropy(ours(x).flatten(0, 1), y.flatten())),
+        "peer, same block": (same, lambda: same(x, y)),
+        "peer, GPT-2 block": (gpt2, lambda: gpt2(x, y)),
+    }
+    times: dict[str, list[float]] = {name: [] for name in steps_of}
+    for step in range(steps + 2):  # 2 warmup steps
+        order = list(steps_of.items())
+        for name, (model, loss) in order if step % 2 else reversed(order):
+            start = time.process_time()
+            loss().backward()
+            if step >= 2:
+                times[name].append(time.process_time() - start)
+            model.zero_grad(set_to_none=True)
+    return {name: 1e3 * statistics.median(t) for name, t in times.items()}
+
+
 ROWS = {  # name: (our CLI overrides, the peer's block, torch.compile on both sides)
     "default config / same block": ([], "llama", False),
     "default config / nanoGPT GPT-2 block": ([], "gpt2", False),
@@ -260,6 +294,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         ],
     )
     print(f"{pairs} pairs per row, {steps - warmup} timed steps a run; goal: ratio >= 1.0")
+    parity = model_parity(SMOKE_SHAPE if args.smoke else [], steps=2 if args.smoke else 40)
+    ours_ms = parity["lightning_train GPT"]
+    print_table(["model alone", "forward+backward, CPU ms", "/ lightning_train GPT"],
+                [[name, ms, f"{ms / ours_ms:.3f}x"] for name, ms in parity.items()])
     payload = {
         "benchmark": "throughput",
         "goal": "lightning tokens/s / nanoGPT-style tokens/s >= 1.0 (ratio_b_over_a of seconds per step)",
@@ -268,6 +306,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                   "shapes": shapes, "steps": steps, "timed_steps": steps - warmup, "device": device.type},
         "machine": {**machine, "load_average_after": machine_info()["load_average_1_5_15"]},
         "results": results,
+        "model_parity_ms": parity,
     }
     write_json(args.out, payload)
     return payload

@@ -55,6 +55,8 @@ def test_throughput_smoke(tmp_path: Path) -> None:
         for result in by_clock.values():
             check_comparison(result, pairs=1)
             assert result["tokens_per_step"] == 4 * 32
+    assert set(payload["model_parity_ms"]) == {"lightning_train GPT", "peer, same block", "peer, GPT-2 block"}
+    assert all(ms > 0 for ms in payload["model_parity_ms"].values())
 
 
 def test_gpu_smoke_on_cpu(tmp_path: Path) -> None:
