@@ -40,7 +40,7 @@ class WithValidation(FixedBatches):
 
 
 @contextmanager
-def host_reads_from_callbacks(trainer: L.Trainer, folder: str = CALLBACKS_DIR) -> Iterator[list[dict]]:
+def host_reads_from(trainer: L.Trainer, folder: str = CALLBACKS_DIR) -> Iterator[list[dict]]:
     """Records the host reads made from code under ``folder`` ("" for every read, from anywhere)."""
     reads: list[dict] = []
 
@@ -71,7 +71,7 @@ def fit_and_record(tmp_path, log_every_n_steps: int, max_steps: int) -> list[dic
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         default_root_dir=tmp_path,
     )
-    with host_reads_from_callbacks(trainer) as reads:
+    with host_reads_from(trainer) as reads:
         trainer.fit(PretrainModule(GPTConfig(**TINY)), WithValidation())
     return reads
 
@@ -110,7 +110,7 @@ def test_the_training_loop_reads_nothing_on_non_logging_steps(tmp_path):
         callbacks=callbacks, logger=CSVLogger(tmp_path), enable_checkpointing=False,
         enable_model_summary=False, default_root_dir=tmp_path,
     )
-    with host_reads_from_callbacks(trainer, folder="") as reads:
+    with host_reads_from(trainer, folder="") as reads:
         trainer.fit(PretrainModule(GPTConfig(**TINY)), WithValidation())
     steps_with_reads = {r["step"] for r in reads if r["training"]}
     assert {5, 10} <= steps_with_reads  # the logging steps (the counter works)
