@@ -27,10 +27,9 @@ from lightning.pytorch.plugins import CheckpointIO, Precision
 from lightning.pytorch.plugins.environments import ClusterEnvironment, SLURMEnvironment
 
 from lightning_train.callbacks import PreemptionCheckpoint, RNGStateKeeper, TokenProgressBar, TrainingAborted
+from lightning_train.checkpoint import AtomicCheckpointIO, checkpoint_mismatch_error, resolve_resume
 from lightning_train.errors import UserInputError
-from lightning_train.plugins import AtomicCheckpointIO
 from lightning_train.plugins.precision import amp_for_precision_flag
-from lightning_train.resume import checkpoint_mismatch_error, resolve_resume
 from lightning_train.strategies import DataParallelStrategy  # noqa: F401  (registers lt_ddp/lt_fsdp/lt_auto)
 from lightning_train.strategies.data_parallel import leave_process_group
 
@@ -151,11 +150,11 @@ def _as_list(value: Callback | list[Callback] | None) -> list[Callback]:
 
 def _tools() -> dict[str, Callable[..., Any]]:
     """Subcommands that are plain functions rather than Trainer methods."""
+    from lightning_train.checkpoint import consolidate
     from lightning_train.data import prepare
     from lightning_train.loggers.dashboard import dashboard
     from lightning_train.loggers.report import report
     from lightning_train.modules.finetune import generate
-    from lightning_train.strategies import consolidate
 
     return {
         "prepare": prepare, "report": report, "dashboard": dashboard, "consolidate": consolidate,

@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 
+from lightning_train.checkpoint import open_pretrained
 from lightning_train.errors import UserInputError
-from lightning_train.models.weights import open_pretrained
 from lightning_train.modules.finetune import FinetuneModule
 
 transformers = pytest.importorskip("transformers")

@@ -1,4 +1,4 @@
-"""Sharded checkpoints (``torch.distributed.checkpoint`` folders) and their export to safetensors.
+"""Sharded checkpoints: ``torch.distributed.checkpoint`` (DCP) folders, saved, loaded and re-sharded.
 
 A sharded checkpoint is a folder that Lightning's ``ModelParallelStrategy`` layout defines: DCP shards
 of ``{"state_dict": <LightningModule state>, "optimizer_0": <optimizer state>}`` (one file per rank,
@@ -7,11 +7,11 @@ and data-loader position, LR schedulers, callbacks, hyper-parameters). DCP re-sh
 folder written by N ranks loads on any number of ranks, or in one plain process.
 
     load_sharded_model_state("runs/x/checkpoints/last.ckpt", model)      # weights into a GPT
-    consolidate("runs/x/checkpoints/last.ckpt", "exports/x")              # model.safetensors + config.json
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -19,9 +19,8 @@ import torch
 from lightning.fabric.utilities.load import _METADATA_FILENAME
 from torch import nn
 
+from lightning_train.checkpoint.format import atomic_checkpoint_dir, load_torch_file, verify_checkpoint
 from lightning_train.errors import UserInputError
-
-MODEL_FILE, CONFIG_FILE = "model.safetensors", "config.json"
 
 
 def is_sharded_checkpoint(path: str | Path) -> bool:
@@ -33,7 +32,13 @@ def checkpoint_tensor_shapes(path: str | Path, section: str = "state_dict") -> d
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    metadata = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    try:
+        metadata = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    except Exception as error:  # DCP's .metadata is a pickle too: refused or unreadable, say which file
+        raise UserInputError(
+            f"cannot read the index {Path(path) / '.metadata'} of sharded checkpoint {path} "
+            f"({type(error).__name__}: {error}); it is corrupt or not a torch.distributed.checkpoint folder"
+        ) from error
     prefix = section + "."
     return {
         key[len(prefix) :]: tuple(item.size)
@@ -96,6 +101,69 @@ def load_sharded_model_state(
     set_model_state_dict(model, to_load, options=_options(strict=False))
 
 
+def save_sharded_checkpoint(
+    checkpoint: dict[str, Any], path: Path, is_writer: bool, barrier: Callable[[], None]
+) -> None:
+    """Write ``checkpoint`` as a sharded folder at ``path``, atomically and verifiably; a collective
+    (every rank calls it). Every rank writes its DCP shard of model and optimizer state into the hidden
+    ``.<name>.partial`` sibling, the writer adds ``meta.pt`` (everything else: counters, loops and data
+    position, schedulers, callbacks, hyper-parameters), then fsyncs, writes ``manifest.json`` (sizes +
+    sha256) and renames the folder into place. A crash mid-save leaves the previous checkpoint at
+    ``path`` untouched."""
+    from torch.distributed.checkpoint import save
+
+    state = {"state_dict": checkpoint.pop("state_dict")}
+    state.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
+    with atomic_checkpoint_dir(
+        path, checkpoint.get("global_step"), checkpoint.get("epoch"), is_writer=is_writer
+    ) as staging:
+        barrier()  # the writer has cleared the staging folder before anyone writes into it
+        save(state, checkpoint_id=str(staging))  # collective: returns when every rank's shard is written
+        if is_writer:
+            torch.save(checkpoint, staging / _METADATA_FILENAME)
+    barrier()
+
+
+def load_sharded_checkpoint(
+    path: Path,
+    module: nn.Module,
+    optimizers: Sequence[torch.optim.Optimizer],
+    strict: bool,
+    is_verifier: bool,
+    broadcast: Callable[[Any], Any],
+    weights_only: bool = True,
+) -> dict[str, Any]:
+    """Load model and optimizer states from a sharded folder written at any world size (DCP re-shards
+    on load) into ``module`` (plain or FSDP2-sharded) and ``optimizers``; a collective. Returns the rest
+    of the checkpoint (``meta.pt``) for Lightning to restore."""
+    from torch.distributed.checkpoint import load
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    # sha256 of every shard against the manifest, once (on the verifier rank), before any rank reads a byte
+    problem = None
+    if is_verifier:
+        try:
+            verify_checkpoint(path)
+        except UserInputError as error:
+            problem = error
+    if (problem := broadcast(problem)) is not None:
+        raise problem
+    model_state = get_model_state_dict(module)
+    check_compatible(path, {k: tuple(v.shape) for k, v in model_state.items()}, strict=strict)
+    load({"state_dict": model_state}, checkpoint_id=str(path))
+    set_model_state_dict(module, model_state, options=_options(strict=strict))
+    for index, optimizer in enumerate(optimizers):
+        optimizer_state = {f"optimizer_{index}": get_optimizer_state_dict(module, optimizer)}
+        load(optimizer_state, checkpoint_id=str(path))
+        set_optimizer_state_dict(module, optimizer, optimizer_state[f"optimizer_{index}"])
+    return read_metadata(path, weights_only)
+
+
 def _options(**kwargs: Any) -> Any:
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
@@ -103,40 +171,12 @@ def _options(**kwargs: Any) -> Any:
 
 
 def read_metadata(path: str | Path, weights_only: bool = True) -> dict[str, Any]:
-    """``meta.pt`` of a sharded checkpoint, or a whole ``.ckpt`` file. ``weights_only`` (the default)
-    unpickles no code: only plain containers, tensors and ``models.weights.safe_globals()``."""
-    from lightning_train.models.weights import safe_globals
-
-    file = Path(path) / _METADATA_FILENAME if Path(path).is_dir() else Path(path)
-    with torch.serialization.safe_globals(safe_globals()):
-        try:
-            return torch.load(file, map_location="cpu", weights_only=weights_only)
-        except Exception as error:  # pickle.UnpicklingError for objects outside the allow-list
-            raise UserInputError(
-                f"cannot read {file} safely ({error}); pass the model config explicitly"
-            ) from error
-
-
-def consolidate(checkpoint: str, output: str, overwrite: bool = False) -> Path:
-    """Export a checkpoint of this package — a sharded folder of any world size, or a ``.ckpt`` file
-    (LoRA adapters merged) — to ``OUTPUT/model.safetensors`` (full fp32 weights, names as in
-    ``GPT.state_dict()``) and ``OUTPUT/config.json`` (the ``GPTConfig``), which fine-tuning and
-    ``generate`` load. Runs in one plain process, whatever the world size was.
-
-    Args:
-        checkpoint: the checkpoint folder or file.
-        output: folder to write into (created if missing).
-        overwrite: replace an existing export in ``output``.
-    """
-    from lightning_train.models.weights import open_pretrained, save_safetensors
-
-    source, target = Path(checkpoint), Path(output)
-    if not source.exists():
-        raise UserInputError(f"checkpoint {source} does not exist")
-    if (target / MODEL_FILE).exists() and not overwrite:
-        raise UserInputError(
-            f"{target / MODEL_FILE} already exists; choose another --output or pass --overwrite true"
-        )
-    save_safetensors(open_pretrained(source).build(), target)
-    print(f"wrote {target / MODEL_FILE} and {target / CONFIG_FILE}")
-    return target / MODEL_FILE
+    """``meta.pt`` of a sharded checkpoint, loaded safely: ``weights_only`` (the default) accepts plain
+    containers, tensors and ``format.safe_globals()`` only, so nothing in the file can run code;
+    ``weights_only=False`` is for files the caller trusts."""
+    file = Path(path) / _METADATA_FILENAME
+    if not file.is_file():
+        raise UserInputError(f"sharded checkpoint {path} has no {_METADATA_FILENAME}: it is incomplete")
+    if not weights_only:
+        return torch.load(file, map_location="cpu", weights_only=False)
+    return load_torch_file(file)
