@@ -18,6 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
 from jsonargparse import CLI, ArgumentParser
 from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint, ProgressBar
@@ -27,7 +28,13 @@ from lightning.pytorch.plugins import CheckpointIO, Precision
 from lightning.pytorch.plugins.environments import ClusterEnvironment, SLURMEnvironment
 
 from lightning_train.callbacks import PreemptionCheckpoint, RNGStateKeeper, TokenProgressBar, TrainingAborted
-from lightning_train.checkpoint import AtomicCheckpointIO, checkpoint_mismatch_error, resolve_resume
+from lightning_train.checkpoint import (
+    AtomicCheckpointIO,
+    checkpoint_mismatch_error,
+    read_checkpoint,
+    resolve_resume,
+)
+from lightning_train.checkpoint.format import safe_globals
 from lightning_train.errors import UserInputError
 from lightning_train.plugins.precision import amp_for_precision_flag
 from lightning_train.strategies import DataParallelStrategy  # noqa: F401  (registers lt_ddp/lt_fsdp/lt_auto)
@@ -70,6 +77,24 @@ class LightningTrainCLI(LightningCLI):
             LightningModule, LightningDataModule, subclass_mode_model=True, subclass_mode_data=True,
             args=args, **kwargs,
         )
+
+    def _parse_ckpt_path(self) -> None:
+        """Lightning's (it reads ``--ckpt_path``'s hyper-parameters with torch.load), after checking the
+        file: a corrupt, foreign or unsafe checkpoint is one clear error, and our configs are allowed."""
+        subcommand = self.config.get("subcommand")
+        ckpt_path = self.config[subcommand].get("ckpt_path") if subcommand else None
+        if ckpt_path and Path(ckpt_path).is_file():
+            read_checkpoint(ckpt_path)
+        with torch.serialization.safe_globals(safe_globals()):
+            super()._parse_ckpt_path()
+
+    def instantiate_classes(self) -> None:
+        try:
+            super().instantiate_classes()
+        except ValueError as error:  # jsonargparse wraps what a constructor raised: let bad input through
+            if isinstance(error.__cause__, UserInputError):
+                raise error.__cause__ from None
+            raise
 
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
         trainer_config = self._get(self.config_init, "trainer", default={})

@@ -173,10 +173,13 @@ def safe_globals() -> list[type]:
     return [GPTConfig, LoRAConfig, AttributeDict, pathlib.Path, pathlib.PosixPath, pathlib.WindowsPath]
 
 
-def load_torch_file(path: str | Path, map_location: Any = "cpu", mmap: bool = False) -> Any:
+def load_torch_file(
+    path: str | Path | IO[bytes], map_location: Any = "cpu", mmap: bool = False, source: str | None = None
+) -> Any:
     """``torch.load(weights_only=True)`` with ``safe_globals()``; a refusal or a read error becomes one
-    ``UserInputError`` naming the file. Verify the file first (``verify_checkpoint``): torch.load on a
-    foreign file fails in arbitrary ways."""
+    ``UserInputError`` naming the file (or ``source``). Verify the file first (``verify_checkpoint``):
+    torch.load on a foreign file fails in arbitrary ways."""
+    source = source or str(path)
     try:
         with torch.serialization.safe_globals(safe_globals()):
             return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
@@ -184,14 +187,14 @@ def load_torch_file(path: str | Path, map_location: Any = "cpu", mmap: bool = Fa
         found = re.search(r"GLOBAL ([\w.]+)", str(error))
         if found:
             raise UserInputError(
-                f"{path} holds Python objects beyond tensors ({found.group(1)}), which safe loading "
+                f"{source} holds Python objects beyond tensors ({found.group(1)}), which safe loading "
                 "refuses because unpickling them could run code; re-save its tensors with "
                 "safetensors.torch.save_file (or torch.save of tensors only), or load it yourself "
                 "if you trust it"
             ) from error
         raise CorruptCheckpointError(
-            f"cannot read checkpoint {path} ({type(error).__name__}: {error}); pass a checkpoint written by "
-            "lightning_train or torch.save"
+            f"cannot read checkpoint {source} ({type(error).__name__}: {error}); pass a checkpoint "
+            "written by lightning_train or torch.save"
         ) from error
 
 

@@ -6,11 +6,18 @@ plus DCP's ``.metadata``) and ``meta.pt`` with everything else a resume needs (s
 and data-loader position, LR schedulers, callbacks, hyper-parameters). DCP re-shards on load, so a
 folder written by N ranks loads on any number of ranks, or in one plain process.
 
+DCP's own reader unpickles ``.metadata`` with plain ``pickle`` and non-tensor items with
+``torch.load(weights_only=False)``: a hostile folder could run code. Every load here goes through
+``_SafeReader`` and ``_SafeLoadPlanner`` instead, which accept only DCP's metadata classes and
+``weights_only`` items.
+
     load_sharded_model_state("runs/x/checkpoints/last.ckpt", model)      # weights into a GPT
 """
 
 from __future__ import annotations
 
+import io
+import pickle
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -18,9 +25,77 @@ from typing import Any
 import torch
 from lightning.fabric.utilities.load import _METADATA_FILENAME
 from torch import nn
+from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+from torch.distributed.checkpoint.metadata import Metadata
 
 from lightning_train.checkpoint.format import atomic_checkpoint_dir, load_torch_file, verify_checkpoint
 from lightning_train.errors import UserInputError
+
+_DCP_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
+_PLAIN_GLOBALS = {
+    ("torch", "Size"), ("torch.serialization", "_get_layout"),  # a layout from its name
+    ("pathlib", "Path"), ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"),
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Rebuilds DCP's ``.metadata`` from DCP's own classes, torch sizes, dtypes and layouts only."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module in _DCP_MODULES or (module, name) in _PLAIN_GLOBALS:
+            found = super().find_class(module, name)
+            if module not in _DCP_MODULES or (isinstance(found, type) and found.__module__ == module):
+                return found
+        elif module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"GLOBAL {module}.{name} is not allowed in a DCP .metadata file")
+
+
+class _SafeReader(FileSystemReader):
+    """``FileSystemReader`` whose ``.metadata`` is unpickled by ``_MetadataUnpickler``."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        path = Path(self.path) / ".metadata"
+        try:
+            metadata = _MetadataUnpickler(io.BytesIO(path.read_bytes())).load()
+        except Exception as error:
+            raise UserInputError(
+                f"cannot read the index {path} of sharded checkpoint {self.path} "
+                f"({type(error).__name__}: {error}); it is corrupt, hostile or not a "
+                "torch.distributed.checkpoint folder"
+            ) from error
+        if not isinstance(metadata, Metadata):
+            raise UserInputError(f"{path} is not a torch.distributed.checkpoint index")
+        if getattr(metadata, "storage_meta", None) is None:
+            from torch.distributed.checkpoint.metadata import StorageMeta
+
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class _SafeLoadPlanner(DefaultLoadPlanner):
+    """``DefaultLoadPlanner`` whose non-tensor items (optimizer hyper-parameters, ...) are read with
+    ``weights_only=True``: the item is loaded safely, and only that safe copy is handed to DCP (which
+    would ``torch.load(weights_only=False)`` the file's own bytes)."""
+
+    def __init__(self, path: str | Path) -> None:
+        super().__init__()
+        self.path = path
+
+    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        item = load_torch_file(value, source=f"{read_item.dest_index.fqn} of {self.path}")
+        safe_copy = io.BytesIO()
+        torch.save(item, safe_copy)
+        safe_copy.seek(0)
+        super().load_bytes(read_item, safe_copy)
+
+
+def _load(state: dict[str, Any], path: str | Path) -> None:
+    """``torch.distributed.checkpoint.load`` through the safe reader and planner."""
+    from torch.distributed.checkpoint import load
+
+    load(state, storage_reader=_SafeReader(str(path)), planner=_SafeLoadPlanner(path))
 
 
 def is_sharded_checkpoint(path: str | Path) -> bool:
@@ -29,16 +104,9 @@ def is_sharded_checkpoint(path: str | Path) -> bool:
 
 def checkpoint_tensor_shapes(path: str | Path, section: str = "state_dict") -> dict[str, tuple[int, ...]]:
     """Global shapes of the tensors saved under ``section`` (``"state_dict"``: the LightningModule's)."""
-    from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    try:
-        metadata = FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    except Exception as error:  # DCP's .metadata is a pickle too: refused or unreadable, say which file
-        raise UserInputError(
-            f"cannot read the index {Path(path) / '.metadata'} of sharded checkpoint {path} "
-            f"({type(error).__name__}: {error}); it is corrupt or not a torch.distributed.checkpoint folder"
-        ) from error
+    metadata = _SafeReader(str(path)).read_metadata().state_dict_metadata
     prefix = section + "."
     return {
         key[len(prefix) :]: tuple(item.size)
@@ -81,7 +149,6 @@ def load_sharded_model_state(
     pass ``""`` for a LightningModule. ``strict=False`` leaves parameters the checkpoint lacks (e.g.
     new LoRA adapters) as they are; shapes must match either way.
     """
-    from torch.distributed.checkpoint import load
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
     if not is_sharded_checkpoint(path):
@@ -97,7 +164,7 @@ def load_sharded_model_state(
             f"{prefix!r} (e.g. {missing[:4]}); pass the right prefix, or strict=False for new parameters"
         )
     to_load = {key: value for key, value in own.items() if prefix + key in saved}
-    load({"state_dict": {prefix + key: value for key, value in to_load.items()}}, checkpoint_id=str(path))
+    _load({"state_dict": {prefix + key: value for key, value in to_load.items()}}, path)
     set_model_state_dict(model, to_load, options=_options(strict=False))
 
 
@@ -136,7 +203,6 @@ def load_sharded_checkpoint(
     """Load model and optimizer states from a sharded folder written at any world size (DCP re-shards
     on load) into ``module`` (plain or FSDP2-sharded) and ``optimizers``; a collective. Returns the rest
     of the checkpoint (``meta.pt``) for Lightning to restore."""
-    from torch.distributed.checkpoint import load
     from torch.distributed.checkpoint.state_dict import (
         get_model_state_dict,
         get_optimizer_state_dict,
@@ -155,11 +221,11 @@ def load_sharded_checkpoint(
         raise problem
     model_state = get_model_state_dict(module)
     check_compatible(path, {k: tuple(v.shape) for k, v in model_state.items()}, strict=strict)
-    load({"state_dict": model_state}, checkpoint_id=str(path))
+    _load({"state_dict": model_state}, path)
     set_model_state_dict(module, model_state, options=_options(strict=strict))
     for index, optimizer in enumerate(optimizers):
         optimizer_state = {f"optimizer_{index}": get_optimizer_state_dict(module, optimizer)}
-        load(optimizer_state, checkpoint_id=str(path))
+        _load(optimizer_state, path)
         set_optimizer_state_dict(module, optimizer, optimizer_state[f"optimizer_{index}"])
     return read_metadata(path, weights_only)
 
