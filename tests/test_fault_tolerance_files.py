@@ -14,18 +14,21 @@ import pytest
 import torch
 
 from lightning_train.callbacks.preemption import PreemptionCheckpoint
-from lightning_train.errors import UserInputError
-from lightning_train.models.gpt import GPTConfig
-from lightning_train.plugins.checkpoint_io import (
+from lightning_train.checkpoint import (
     AtomicCheckpointIO,
     CorruptCheckpointError,
     IncompatibleCheckpointError,
+    find_resume_checkpoint,
+    resolve_resume,
+    verify_checkpoint,
+)
+from lightning_train.checkpoint.format import (
     atomic_checkpoint_dir,
     manifest_path,
     read_manifest,
-    verify_checkpoint,
 )
-from lightning_train.resume import find_resume_checkpoint, resolve_resume
+from lightning_train.errors import UserInputError
+from lightning_train.models.gpt import GPTConfig
 
 
 def save(io: AtomicCheckpointIO, path: Path, step: int, **extra: object) -> Path:
@@ -136,7 +139,7 @@ def test_sigkill_during_save_leaves_the_previous_checkpoint(tmp_path: Path) -> N
     # a real process killed while torch.save streams a large checkpoint into the temporary file
     script = (
         "import os, signal, threading, torch, sys\n"
-        "from lightning_train.plugins.checkpoint_io import AtomicCheckpointIO\n"
+        "from lightning_train.checkpoint import AtomicCheckpointIO\n"
         "partial = sys.argv[2]\n"
         "def kill_when_writing():\n"
         "    while not (os.path.exists(partial) and os.path.getsize(partial) > 0): pass\n"

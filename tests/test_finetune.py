@@ -11,13 +11,12 @@ import torch
 from safetensors.torch import load_file
 from torch.utils.data import DataLoader, Dataset
 
+from lightning_train.checkpoint import consolidate, open_pretrained, save_safetensors
 from lightning_train.errors import UserInputError
 from lightning_train.models.gpt import GPT, GPTConfig
 from lightning_train.models.lora import LoRAConfig, lora_layers
-from lightning_train.models.weights import open_pretrained, save_safetensors
 from lightning_train.modules.finetune import FinetuneModule
 from lightning_train.modules.pretrain import PretrainModule
-from lightning_train.strategies import consolidate
 
 CONFIG = dict(vocab_size=258, block_size=64, n_layer=2, n_head=2, n_embd=32)
 

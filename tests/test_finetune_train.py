@@ -9,9 +9,9 @@ import lightning as L
 import pytest
 import torch
 
+from lightning_train.checkpoint import save_safetensors
 from lightning_train.data.sft import SFTDataModule
 from lightning_train.models.gpt import GPT, GPTConfig
-from lightning_train.models.weights import save_safetensors
 from lightning_train.modules.finetune import FinetuneModule
 from tests.conftest import REPO, run_cli
 
@@ -64,7 +64,7 @@ def test_default_config_runs_and_logs_exact_match(tmp_path):
 
 @pytest.mark.slow
 def test_two_rank_sharded_checkpoint_loads_on_one_rank(tmp_path):
-    from lightning_train.strategies import consolidate
+    from lightning_train.checkpoint import consolidate
 
     config = {"vocab_size": 258, "block_size": 32, "n_layer": 2, "n_head": 2, "n_embd": 32}
     result = run_cli(

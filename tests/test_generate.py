@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from lightning_train.checkpoint import save_safetensors
 from lightning_train.data.tokenizers import ByteTokenizer
 from lightning_train.models.gpt import GPT, GPTConfig
-from lightning_train.models.weights import save_safetensors
 from lightning_train.modules.finetune import generate_batched
 from tests.conftest import run_cli
 

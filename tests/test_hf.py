@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 
+from lightning_train.checkpoint import open_pretrained
 from lightning_train.errors import UserInputError
-from lightning_train.models.weights import open_pretrained
 from lightning_train.modules.finetune import FinetuneModule
 
 transformers = pytest.importorskip("transformers")
@@ -93,3 +93,24 @@ def test_unsupported_llama_variant_is_named(tmp_path):
     transformers.LlamaForCausalLM(config).save_pretrained(tmp_path)
     with pytest.raises(UserInputError, match=r"rope_type='linear' is not supported"):
         FinetuneModule(str(tmp_path))
+
+
+@pytest.mark.parametrize("flavour", ["gpt2", "llama"])
+@pytest.mark.parametrize("tied", [False, True])
+def test_num_params_matches_transformers(tmp_path, flavour, tied):
+    if flavour == "gpt2":
+        config = transformers.GPT2Config(vocab_size=300, n_positions=64, n_embd=32, n_layer=2, n_head=4,
+                                         tie_word_embeddings=tied)
+        hf_model = transformers.GPT2LMHeadModel(config)
+    else:
+        config = transformers.LlamaConfig(
+            vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=tied,
+        )
+        hf_model = transformers.LlamaForCausalLM(config)
+    hf_model.save_pretrained(tmp_path)
+    ours = open_pretrained(tmp_path).build()
+    assert ours.num_params() == hf_model.num_parameters()
+    assert ours.num_params(non_embedding=True) == hf_model.num_parameters(exclude_embeddings=True)
+    if flavour == "llama" and not tied:  # the untied lm_head (300 x 64) counts; the token table does not
+        assert ours.num_params(non_embedding=True) == ours.num_params() - 300 * 64 == 80_960

@@ -10,14 +10,10 @@ import torch.nn.functional as F
 from lightning.pytorch.strategies import StrategyRegistry
 from safetensors.torch import load_file
 
+from lightning_train.checkpoint import consolidate, load_sharded_model_state
 from lightning_train.errors import UserInputError
 from lightning_train.models.gpt import GPT, GPTConfig
-from lightning_train.strategies import (
-    DataParallelStrategy,
-    consolidate,
-    estimate_memory,
-    load_sharded_model_state,
-)
+from lightning_train.strategies import DataParallelStrategy, estimate_memory
 from lightning_train.strategies.memory import choose_sharding
 from lightning_train.strategies.parallelize import apply_activation_checkpointing
 from tests.conftest import run_cli

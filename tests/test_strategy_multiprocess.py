@@ -16,8 +16,8 @@ import torch.nn.functional as F
 import yaml
 from safetensors.torch import load_file
 
+from lightning_train.checkpoint import consolidate
 from lightning_train.models.gpt import GPT, GPTConfig
-from lightning_train.strategies import consolidate
 from tests.conftest import REPO, cli_env, run_cli
 from tests.helpers.strategy_probe import PatternDataset
 

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from lightning_train.checkpoint import consolidate
+from lightning_train.checkpoint.export import CONFIG_FILE
 from lightning_train.cli._parsers import parse_tool_args
-from lightning_train.strategies.checkpoint import CONFIG_FILE, consolidate
 
 
 def main(args: list[str]) -> None:

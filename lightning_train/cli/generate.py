@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import torch
 
+from lightning_train.checkpoint import open_pretrained
 from lightning_train.cli._parsers import parse_tool_args
 from lightning_train.data.sft import chat_segments
 from lightning_train.data.tokenizers import load_tokenizer
 from lightning_train.errors import UserInputError
-from lightning_train.models.weights import open_pretrained
 from lightning_train.modules.finetune import generate_batched
 
 

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint, ProgressBar
@@ -23,12 +24,18 @@ from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
 from lightning_train.callbacks import PreemptionCheckpoint, RNGStateKeeper, TokenProgressBar
+from lightning_train.checkpoint import (
+    AtomicCheckpointIO,
+    checkpoint_mismatch_error,
+    find_resume_checkpoint,
+    read_checkpoint,
+    resolve_resume,
+)
+from lightning_train.checkpoint.format import safe_globals
 from lightning_train.cli._parsers import PROG, TOOLS, LightningParser
 from lightning_train.cli.checks import check_trainer_arguments
 from lightning_train.errors import UserInputError
-from lightning_train.plugins import AtomicCheckpointIO
 from lightning_train.plugins.precision import amp_for_precision_flag
-from lightning_train.resume import checkpoint_mismatch_error, find_resume_checkpoint, resolve_resume
 from lightning_train.strategies import DataParallelStrategy  # noqa: F401  (registers lt_ddp/lt_fsdp/lt_auto)
 
 # The top-level help's line for each Trainer subcommand (Lightning's are its docstrings' first lines,
@@ -63,6 +70,16 @@ class LightningTrainCLI(LightningCLI):
             subparser = self._prepare_subcommand_parser(self.trainer_class, name, **options)
             self._subcommand_parsers[name] = subparser
             subcommands.add_subcommand(name, subparser, help=SUBCOMMANDS[name])
+
+    def _parse_ckpt_path(self) -> None:
+        """Lightning's (it reads ``--ckpt_path``'s hyper-parameters with torch.load), after checking the
+        file: a corrupt, foreign or unsafe checkpoint is one clear error, and our configs are allowed."""
+        subcommand = self.config.get("subcommand")
+        ckpt_path = self.config[subcommand].get("ckpt_path") if subcommand else None
+        if ckpt_path and Path(ckpt_path).is_file():
+            read_checkpoint(ckpt_path)
+        with torch.serialization.safe_globals(safe_globals()):
+            super()._parse_ckpt_path()
 
     def instantiate_classes(self) -> None:
         try:

@@ -250,10 +250,12 @@ class GPT(nn.Module):
         return self.lm_head(self.norm(x))
 
     def num_params(self, non_embedding: bool = False) -> int:
-        """Parameter count (shared tensors once); ``non_embedding`` drops token and position tables."""
+        """Parameter count (shared tensors once). ``non_embedding`` drops the token and position tables
+        but keeps an untied lm_head (a Linear), as transformers' ``num_parameters(exclude_embeddings=True)``
+        does."""
         n = sum(p.numel() for p in self.parameters())
         if non_embedding:
-            n -= self.embed.weight.numel() if self.config.tie_embeddings else 0
+            n -= self.embed.weight.numel()
             n -= self.pos_embed.weight.numel() if self.pos_embed is not None else 0
         return n
 

@@ -1,8 +1,10 @@
-"""Local Hugging Face causal-LM folders (GPT-2 and Llama families) mapped onto our GPT.
+"""Hugging Face causal LMs (GPT-2 and Llama families) mapped onto our GPT: config and state-dict names
+and shapes, nothing else (like torchtitan's per-model state-dict adapters; reading the files is
+``lightning_train.checkpoint.open_pretrained``'s job).
 
 Mapping rather than wrapping: the weights become a plain ``GPT``, so every part of this package
 (FSDP wrapping, LoRA, KV-cache generation, export) works the same on them, and loading needs no
-``transformers`` at all (only ``config.json`` and the safetensors files). The two flavours:
+``transformers`` at all. The two flavours:
 
 - GPT-2: LayerNorm with bias, learned positions, tanh-GELU MLP. Its ``Conv1D`` layers store
   weights as (in, out), so they are transposed; ``c_attn`` is already a fused q|k|v like ours.
@@ -10,93 +12,60 @@ Mapping rather than wrapping: the weights become a plain ``GPT``, so every part 
   (as ours), SwiGLU (``gate_proj``/``up_proj`` are our ``mlp.gate``/``mlp.up``), grouped-query
   attention. q, k and v are concatenated into our fused ``qkv``.
 
-    >>> config, state_dict = load_hf_folder("path/to/gpt2")  # doctest: +SKIP
-    >>> model = GPT(config); model.load_state_dict(state_dict, strict=False)  # doctest: +SKIP
+    >>> hf = {"model_type": "gpt2", "vocab_size": 64, "n_positions": 16, "n_layer": 1, "n_head": 2,
+    ...       "n_embd": 8}
+    >>> config = config_from_hf(hf, "gpt2-tiny")
+    >>> config.position, config.tie_embeddings
+    ('learned', True)
 """
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from lightning_train.errors import UserInputError
 from lightning_train.models.gpt import GPTConfig
-from lightning_train.models.weights import read_weights
 
 SUPPORTED = ("gpt2", "llama", "mistral")
 StateDict = dict[str, torch.Tensor]
 
 
-def is_hf_folder(path: str | Path) -> bool:
-    path = Path(path)
-    return path.is_dir() and (path / "config.json").is_file()
-
-
-def load_hf_folder(path: str | Path, allow_pickle: bool = True) -> tuple[GPTConfig, StateDict]:
-    """Our ``GPTConfig`` and a state dict in our key names for the model in a local HF folder."""
-    config = hf_config(path)
-    return config, load_hf_weights(path, config, allow_pickle)
-
-
-def hf_config(path: str | Path) -> GPTConfig:
-    """Our ``GPTConfig`` for the ``config.json`` of a local HF folder (a clear error if unsupported)."""
-    path = Path(path)
-    config_path = path / "config.json"
-    if not config_path.is_file():
-        raise UserInputError(f"{str(path)!r} is not a Hugging Face model folder (no config.json)")
-    try:
-        hf = json.loads(config_path.read_text(encoding="utf-8"))
-    except ValueError as err:
-        raise UserInputError(f"{str(config_path)!r} is not valid JSON: {err}") from err
+def config_from_hf(hf: dict[str, Any], source: str) -> GPTConfig:
+    """Our ``GPTConfig`` for the values of an HF ``config.json`` (``source`` names it in errors)."""
     model_type = hf.get("model_type")
     if model_type not in SUPPORTED:
         raise UserInputError(
-            f"{str(path)!r} holds a {model_type!r} model ({hf.get('architectures')}); supported Hugging Face "
+            f"{source!r} holds a {model_type!r} model ({hf.get('architectures')}); supported Hugging Face "
             f"architectures are {list(SUPPORTED)}"
         )
-    return gpt2_config(hf, path) if model_type == "gpt2" else llama_config(hf, path)
+    return gpt2_config(hf, source) if model_type == "gpt2" else llama_config(hf, source)
 
 
-def load_hf_weights(path: str | Path, config: GPTConfig, allow_pickle: bool = True) -> StateDict:
-    """The folder's weights renamed (and GPT-2's transposed, Llama's fused) into our key names."""
-    path = Path(path)
-    weights = _read_hf_weights(path, allow_pickle)
+def state_dict_from_hf(weights: StateDict, config: GPTConfig, source: str) -> StateDict:
+    """An HF state dict renamed (GPT-2's Conv1D weights transposed, Llama's q/k/v fused) into our key
+    names; refuses missing and unmapped tensors with one error naming ``source``."""
     weights = {k.removeprefix("transformer.").removeprefix("model."): v for k, v in weights.items()}
     convert = _convert_gpt2 if config.position == "learned" else _convert_llama
     try:
-        return convert(weights, config)
+        return convert(weights, config, source)
     except KeyError as err:
-        raise UserInputError(f"{str(path)!r} lacks the weight {err.args[0]!r} of its config.json") from err
+        raise UserInputError(f"{source!r} lacks the weight {err.args[0]!r} of its config.json") from err
 
 
-def _read_hf_weights(path: Path, allow_pickle: bool) -> StateDict:
-    """All tensors of the folder: ``model.safetensors``, its shards, or (pickle) ``pytorch_model.bin``."""
-    for index_name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
-        index = path / index_name
-        if index.is_file():
-            shards = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
-            return {k: v for shard in shards for k, v in read_weights(path / shard, allow_pickle).items()}
-    for name in ("model.safetensors", "pytorch_model.bin"):
-        if (path / name).is_file():
-            return read_weights(path / name, allow_pickle)
-    raise UserInputError(f"{str(path)!r} has no model.safetensors (or pytorch_model.bin); nothing to load")
+def _reject(source: str, setting: str, value: Any) -> None:
+    raise UserInputError(f"{source!r}: {setting}={value!r} is not supported by lightning_train's GPT")
 
 
-def _reject(path: Path, setting: str, value: Any) -> None:
-    raise UserInputError(f"{str(path)!r}: {setting}={value!r} is not supported by lightning_train's GPT")
-
-
-def gpt2_config(hf: dict[str, Any], path: Path) -> GPTConfig:
+def gpt2_config(hf: dict[str, Any], source: str) -> GPTConfig:
     if hf.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
-        _reject(path, "activation_function", hf["activation_function"])
+        _reject(source, "activation_function", hf["activation_function"])
     for flag in ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn", "add_cross_attention"):
         if hf.get(flag):
-            _reject(path, flag, hf[flag])
+            _reject(source, flag, hf[flag])
     if hf.get("scale_attn_weights") is False:
-        _reject(path, "scale_attn_weights", False)
+        _reject(source, "scale_attn_weights", False)
     return GPTConfig(
         vocab_size=hf["vocab_size"], block_size=hf["n_positions"], n_layer=hf["n_layer"], n_head=hf["n_head"],
         n_embd=hf["n_embd"], intermediate_size=hf.get("n_inner") or 4 * hf["n_embd"], norm="layernorm",
@@ -105,19 +74,19 @@ def gpt2_config(hf: dict[str, Any], path: Path) -> GPTConfig:
     )
 
 
-def llama_config(hf: dict[str, Any], path: Path) -> GPTConfig:
+def llama_config(hf: dict[str, Any], source: str) -> GPTConfig:
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}  # transformers 5 / 4
     if rope.get("rope_type", rope.get("type", "default")) != "default":
-        _reject(path, "rope_type", rope.get("rope_type", rope.get("type")))
+        _reject(source, "rope_type", rope.get("rope_type", rope.get("type")))
     if hf.get("hidden_act", "silu") != "silu":
-        _reject(path, "hidden_act", hf["hidden_act"])
+        _reject(source, "hidden_act", hf["hidden_act"])
     if hf.get("attention_bias", False) != hf.get("mlp_bias", False):
-        _reject(path, "attention_bias != mlp_bias", (hf.get("attention_bias"), hf.get("mlp_bias")))
+        _reject(source, "attention_bias != mlp_bias", (hf.get("attention_bias"), hf.get("mlp_bias")))
     if hf.get("sliding_window") and hf["sliding_window"] < hf["max_position_embeddings"]:
-        _reject(path, "sliding_window", hf["sliding_window"])
+        _reject(source, "sliding_window", hf["sliding_window"])
     n_embd, n_head = hf["hidden_size"], hf["num_attention_heads"]
     if hf.get("head_dim", n_embd // n_head) != n_embd // n_head:
-        _reject(path, "head_dim", hf["head_dim"])
+        _reject(source, "head_dim", hf["head_dim"])
     return GPTConfig(
         vocab_size=hf["vocab_size"], block_size=hf["max_position_embeddings"],
         n_layer=hf["num_hidden_layers"], n_head=n_head, n_kv_head=hf.get("num_key_value_heads") or n_head,
@@ -129,7 +98,7 @@ def llama_config(hf: dict[str, Any], path: Path) -> GPTConfig:
     )
 
 
-def _convert_gpt2(w: StateDict, config: GPTConfig) -> StateDict:
+def _convert_gpt2(w: StateDict, config: GPTConfig, source: str) -> StateDict:
     out = {"embed.weight": w.pop("wte.weight"), "pos_embed.weight": w.pop("wpe.weight")}
     out |= {"norm.weight": w.pop("ln_f.weight"), "norm.bias": w.pop("ln_f.bias")}
     names = {"ln_1": "attn_norm", "ln_2": "mlp_norm", "attn.c_attn": "attn.qkv", "attn.c_proj": "attn.proj",
@@ -140,10 +109,10 @@ def _convert_gpt2(w: StateDict, config: GPTConfig) -> StateDict:
             out[f"blocks.{i}.{ours}.weight"] = weight if theirs.startswith("ln") else weight.t().contiguous()
             out[f"blocks.{i}.{ours}.bias"] = w.pop(f"h.{i}.{theirs}.bias")
         w.pop(f"h.{i}.attn.bias", None), w.pop(f"h.{i}.attn.masked_bias", None)  # old causal-mask buffers
-    return _finish(out, w, config)
+    return _finish(out, w, config, source)
 
 
-def _convert_llama(w: StateDict, config: GPTConfig) -> StateDict:
+def _convert_llama(w: StateDict, config: GPTConfig, source: str) -> StateDict:
     out = {"embed.weight": w.pop("embed_tokens.weight"), "norm.weight": w.pop("norm.weight")}
     for i in range(config.n_layer):
         p = f"layers.{i}."
@@ -155,17 +124,17 @@ def _convert_llama(w: StateDict, config: GPTConfig) -> StateDict:
         for ours, theirs in sources.items():  # q, k, v concatenated; the rest one to one
             for kind in ("weight", "bias") if config.bias else ("weight",):
                 out[f"blocks.{i}.{ours}.{kind}"] = torch.cat([w.pop(f"{p}{t}.{kind}") for t in theirs])
-    return _finish(out, w, config)
+    return _finish(out, w, config, source)
 
 
-def _finish(out: StateDict, rest: StateDict, config: GPTConfig) -> StateDict:
+def _finish(out: StateDict, rest: StateDict, config: GPTConfig, source: str) -> StateDict:
     """Add the untied ``lm_head`` and refuse tensors we did not map (they would be silently dropped)."""
     head = rest.pop("lm_head.weight", None)
     if not config.tie_embeddings:
         if head is None:
-            raise UserInputError("the weights lack lm_head.weight, yet tie_word_embeddings is false")
+            raise UserInputError(f"{source!r} lacks lm_head.weight, yet tie_word_embeddings is false")
         out["lm_head.weight"] = head
     rest = {k: v for k, v in rest.items() if not k.endswith("rotary_emb.inv_freq")}  # derived buffers
     if rest:
-        raise UserInputError(f"Hugging Face weights with no place in our GPT: {sorted(rest)[:6]}")
+        raise UserInputError(f"{source!r} holds weights with no place in our GPT: {sorted(rest)[:6]}")
     return out

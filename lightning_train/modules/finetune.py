@@ -28,10 +28,11 @@ import torch
 from torch import nn
 from torchmetrics import MeanMetric
 
+from lightning_train.checkpoint import open_pretrained, save_safetensors
 from lightning_train.errors import UserInputError
 from lightning_train.models.gpt import GPT, GPTConfig
 from lightning_train.models.lora import LoRAConfig, apply_lora, lora_layers, merge_lora, reset_lora
-from lightning_train.models.weights import check_keys, load_into, open_pretrained, save_safetensors
+from lightning_train.models.weights import check_keys, load_into
 from lightning_train.modules.pretrain import PretrainModule
 
 

@@ -1,7 +1,6 @@
 """Lightning plugins: ``AmpPrecision`` (mixed precision with real loss scaling on every device) and the
 skipped-step mechanism shared with the recovery callbacks."""
 
-from lightning_train.plugins.checkpoint_io import AtomicCheckpointIO
 from lightning_train.plugins.precision import (
     AmpPrecision,
     HeldLRScheduler,
@@ -10,6 +9,6 @@ from lightning_train.plugins.precision import (
 )
 
 __all__ = [
-    "AmpPrecision", "AtomicCheckpointIO", "HeldLRScheduler", "hold_lr_schedulers_on_skipped_steps",
+    "AmpPrecision", "HeldLRScheduler", "hold_lr_schedulers_on_skipped_steps",
     "skip_optimizer_step",
 ]

@@ -1,18 +1,12 @@
 """Data-parallel training: ``DataParallelStrategy`` (DDP or FSDP2), registered with Lightning as
-``lt_ddp``, ``lt_fsdp`` and ``lt_auto`` (``Trainer(strategy="lt_fsdp")``, ``strategy: lt_fsdp`` in YAML)."""
+``lt_ddp``, ``lt_fsdp`` and ``lt_auto`` (``Trainer(strategy="lt_fsdp")``, ``strategy: lt_fsdp`` in YAML).
+Its sharded checkpoints live in ``lightning_train.checkpoint``."""
 
 from lightning.pytorch.strategies import StrategyRegistry
 
-from lightning_train.strategies.checkpoint import consolidate, load_sharded_model_state
 from lightning_train.strategies.data_parallel import DataParallelStrategy
 from lightning_train.strategies.memory import MemoryEstimate, estimate_memory
 
 DataParallelStrategy.register_strategies(StrategyRegistry)
 
-__all__ = [
-    "DataParallelStrategy",
-    "MemoryEstimate",
-    "consolidate",
-    "estimate_memory",
-    "load_sharded_model_state",
-]
+__all__ = ["DataParallelStrategy", "MemoryEstimate", "estimate_memory"]

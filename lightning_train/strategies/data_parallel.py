@@ -25,7 +25,6 @@ from typing import Any, Literal
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.load import _METADATA_FILENAME
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.strategies import ModelParallelStrategy, Strategy
@@ -34,8 +33,12 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
+from lightning_train.checkpoint.sharded import (
+    is_sharded_checkpoint,
+    load_sharded_checkpoint,
+    save_sharded_checkpoint,
+)
 from lightning_train.errors import UserInputError
-from lightning_train.strategies import checkpoint as sharded
 from lightning_train.strategies.memory import (
     GiB,
     choose_sharding,
@@ -44,11 +47,12 @@ from lightning_train.strategies.memory import (
     format_bytes,
 )
 from lightning_train.strategies.parallelize import (
-    COMM_HOOKS,
     CommHook,
     apply_activation_checkpointing,
     apply_fsdp,
     build_mesh,
+    check_comm_hook,
+    check_replicate_size,
     register_comm_hook,
 )
 
@@ -107,8 +111,7 @@ class DataParallelStrategy(ModelParallelStrategy):
         super().__init__(process_group_backend=process_group_backend, timeout=timeout)
         if sharding not in SHARDINGS:
             raise UserInputError(f"sharding={sharding!r} is not one of {', '.join(SHARDINGS)}")
-        if comm_hook is not None and comm_hook not in COMM_HOOKS:
-            raise UserInputError(f"comm_hook={comm_hook!r} is not one of {', '.join(COMM_HOOKS)} (or null)")
+        check_comm_hook(comm_hook)
         if reduce_dtype not in ("float32", "bfloat16"):
             raise UserInputError(f"reduce_dtype={reduce_dtype!r} is not 'float32' or 'bfloat16'")
         self.sharding = sharding
@@ -132,19 +135,17 @@ class DataParallelStrategy(ModelParallelStrategy):
 
     # ---- process groups and mesh ---------------------------------------------------------------------
     def _configure_launcher(self) -> None:
-        world_size = self.num_nodes * self.num_processes
-        if self.replicate_size < 1 or world_size % self.replicate_size:  # fail before any process starts
-            raise UserInputError(
-                f"replicate_size={self.replicate_size} does not divide the world size {world_size} "
-                f"(num_nodes={self.num_nodes} x devices={self.num_processes}); use a divisor, e.g. num_nodes"
-            )
+        # fail before any process starts
+        check_replicate_size(self.replicate_size, self.num_nodes, self.num_processes)
         super()._configure_launcher()
 
     def setup_environment(self) -> None:
         Strategy.setup_environment(self)  # accelerator setup; skips ModelParallelStrategy's 2-D (dp, tp) mesh
         self._setup_distributed()
         atexit.register(leave_process_group)
-        self._device_mesh = build_mesh(self.root_device.type, self.world_size, self.replicate_size)
+        self._device_mesh = build_mesh(
+            self.root_device.type, self.num_nodes, self.num_processes, self.replicate_size
+        )
         self.lightning_module._device_mesh = self._device_mesh
 
     @property
@@ -261,32 +262,14 @@ class DataParallelStrategy(ModelParallelStrategy):
             self.save_sharded_checkpoint(checkpoint, Path(filepath))
 
     def save_sharded_checkpoint(self, checkpoint: dict[str, Any], path: Path) -> None:
-        """Write ``checkpoint`` as a sharded folder at ``path``, atomically and verifiably: every rank
-        writes its DCP shard of model and optimizer state into the hidden ``.<name>.partial`` sibling,
-        rank 0 adds ``meta.pt`` (everything else: counters, loops and data position, schedulers,
-        callbacks, hyper-parameters), then fsyncs, writes ``manifest.json`` (sizes + sha256) and renames
-        the folder into place (``AtomicCheckpointIO``'s folder protocol). A crash mid-save leaves the
-        previous checkpoint at ``path`` untouched."""
-        from torch.distributed.checkpoint import save
-
-        from lightning_train.plugins.checkpoint_io import atomic_checkpoint_dir
-
+        """Write ``checkpoint`` as a sharded folder at ``path``, atomically and verifiably (see
+        ``checkpoint.sharded.save_sharded_checkpoint``)."""
         path = Path(self.broadcast(str(path)))
-        state = {"state_dict": checkpoint.pop("state_dict")}
-        state.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
-        is_writer = self.global_rank == 0
-        with atomic_checkpoint_dir(
-            path, checkpoint.get("global_step"), checkpoint.get("epoch"), is_writer=is_writer
-        ) as staging:
-            self.barrier()  # rank 0 has cleared the staging folder before anyone writes into it
-            save(state, checkpoint_id=str(staging))  # collective: returns when every rank's shard is written
-            if is_writer:
-                torch.save(checkpoint, staging / _METADATA_FILENAME)
-        self.barrier()
+        save_sharded_checkpoint(checkpoint, path, is_writer=self.global_rank == 0, barrier=self.barrier)
 
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
         path = Path(self.broadcast(str(checkpoint_path)))
-        if sharded.is_sharded_checkpoint(path):
+        if is_sharded_checkpoint(path):
             metadata = self.load_sharded_checkpoint(path, weights_only)
         elif self.sharding == "fsdp":
             raise UserInputError(
@@ -301,35 +284,11 @@ class DataParallelStrategy(ModelParallelStrategy):
     def load_sharded_checkpoint(self, path: Path, weights_only: bool | None = None) -> dict[str, Any]:
         """Load model and optimizer states from a sharded folder written at any world size (DCP
         re-shards on load); returns the rest of the checkpoint for Lightning to restore."""
-        from torch.distributed.checkpoint import load
-        from torch.distributed.checkpoint.state_dict import (
-            get_model_state_dict,
-            get_optimizer_state_dict,
-            set_model_state_dict,
-            set_optimizer_state_dict,
+        module = self.lightning_module
+        return load_sharded_checkpoint(
+            path, module, self.optimizers, strict=module.strict_loading, is_verifier=self.global_rank == 0,
+            broadcast=self.broadcast, weights_only=weights_only is not False,
         )
-
-        from lightning_train.plugins.checkpoint_io import read_manifest, verify_checkpoint
-
-        # sha256 of every shard against the manifest, once (rank 0), before any rank reads a byte
-        problem = None
-        if self.global_rank == 0 and read_manifest(path) is not None:
-            try:
-                verify_checkpoint(path)
-            except UserInputError as error:
-                problem = error
-        if (problem := self.broadcast(problem)) is not None:
-            raise problem
-        module, strict = self.lightning_module, self.lightning_module.strict_loading
-        model_state = get_model_state_dict(module)
-        sharded.check_compatible(path, {k: tuple(v.shape) for k, v in model_state.items()}, strict=strict)
-        load({"state_dict": model_state}, checkpoint_id=str(path))
-        set_model_state_dict(module, model_state, options=sharded._options(strict=strict))
-        for index, optimizer in enumerate(self.optimizers):
-            optimizer_state = {f"optimizer_{index}": get_optimizer_state_dict(module, optimizer)}
-            load(optimizer_state, checkpoint_id=str(path))
-            set_optimizer_state_dict(module, optimizer, optimizer_state[f"optimizer_{index}"])
-        return sharded.read_metadata(path, weights_only=weights_only is not False)
 
     @property
     def lightning_restore_optimizer(self) -> bool:

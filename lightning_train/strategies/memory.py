@@ -23,6 +23,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from lightning_train.strategies.parallelize import find_transformer
+
 ADAMW_STATES_PER_PARAM = 2  # exp_avg, exp_avg_sq: the optimizer every module here uses
 GiB = 2**30
 
@@ -83,7 +85,7 @@ def estimate_memory(
     params = {id(p): p for p in model.parameters()}.values()  # tied weights count once
     param_bytes = sum(p.numel() * p.element_size() for p in params)
     trainable_bytes = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
-    blocks = getattr(_find_transformer(model), "blocks", None) or [model]
+    blocks = getattr(find_transformer(model), "blocks", None) or [model]
     largest_block = max(sum(p.numel() * p.element_size() for p in block.parameters()) for block in blocks)
     return MemoryEstimate(
         param_bytes=param_bytes,
@@ -97,18 +99,10 @@ def estimate_memory(
     )
 
 
-def _find_transformer(model: nn.Module) -> nn.Module | None:
-    """The first submodule holding its layers in an ``nn.ModuleList`` named ``blocks`` (our GPT)."""
-    for module in model.modules():
-        if isinstance(getattr(module, "blocks", None), nn.ModuleList):
-            return module
-    return None
-
-
 def _activation_bytes(
     model: nn.Module, batch_size: int | None, seq_len: int | None, checkpointing: bool, dtype: torch.dtype
 ) -> int:
-    transformer = _find_transformer(model)
+    transformer = find_transformer(model)
     config = getattr(transformer, "config", None)
     if config is None or batch_size is None or seq_len is None:
         return 0

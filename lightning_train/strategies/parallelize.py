@@ -17,29 +17,50 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_train.errors import UserInputError
-from lightning_train.strategies.memory import _find_transformer
 
 CommHook = Literal["fp16_compress", "bf16_compress", "powersgd"]
 COMM_HOOKS = ("fp16_compress", "bf16_compress", "powersgd")
 
 
-def build_mesh(device_type: str, world_size: int, replicate_size: int) -> DeviceMesh:
-    """A ``("replicate", "shard")`` mesh: ``replicate_size`` groups (usually nodes) that each shard the
-    model over ``world_size // replicate_size`` ranks. ``replicate_size=1`` is plain FSDP."""
+def check_comm_hook(preset: str | None) -> None:
+    """Refuse a DDP communication-hook preset that is not one of ``COMM_HOOKS`` (None: no hook)."""
+    if preset is not None and preset not in COMM_HOOKS:
+        raise UserInputError(f"comm_hook={preset!r} is not one of {', '.join(COMM_HOOKS)} (or null)")
+
+
+def check_replicate_size(replicate_size: int, num_nodes: int, devices: int) -> None:
+    """Refuse an HSDP ``replicate_size`` that does not divide the world size ``num_nodes * devices``."""
+    world_size = num_nodes * devices
     if replicate_size < 1 or world_size % replicate_size:
         raise UserInputError(
             f"replicate_size={replicate_size} does not divide the world size {world_size} "
-            f"(num_nodes x devices); choose a divisor of {world_size}, e.g. the number of nodes"
+            f"(num_nodes={num_nodes} x devices={devices}); use a divisor, e.g. num_nodes"
         )
+
+
+def build_mesh(device_type: str, num_nodes: int, devices: int, replicate_size: int) -> DeviceMesh:
+    """A ``("replicate", "shard")`` mesh over ``num_nodes * devices`` ranks: ``replicate_size`` groups
+    (usually nodes) that each shard the model over ``world_size // replicate_size`` ranks.
+    ``replicate_size=1`` is plain FSDP."""
+    check_replicate_size(replicate_size, num_nodes, devices)
+    world_size = num_nodes * devices
     return init_device_mesh(
         device_type, (replicate_size, world_size // replicate_size), mesh_dim_names=("replicate", "shard")
     )
 
 
+def find_transformer(model: nn.Module) -> nn.Module | None:
+    """The first submodule holding its layers in an ``nn.ModuleList`` named ``blocks`` (our GPT)."""
+    for module in model.modules():
+        if isinstance(getattr(module, "blocks", None), nn.ModuleList):
+            return module
+    return None
+
+
 def transformer_blocks(model: nn.Module) -> tuple[nn.Module, list[nn.Module]]:
     """(root, blocks): the module with a ``blocks`` ModuleList and its blocks; for other models the
     model itself and its direct children that hold parameters."""
-    transformer = _find_transformer(model)
+    transformer = find_transformer(model)
     if transformer is not None:
         return transformer, list(transformer.blocks)
     rank_zero_warn(
@@ -94,8 +115,7 @@ def register_comm_hook(model: DistributedDataParallel, preset: CommHook, backend
     it, or None (with a warning naming torch's reason) where torch refuses it on this backend."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
-    if preset not in COMM_HOOKS:
-        raise UserInputError(f"comm_hook={preset!r} is not one of {', '.join(COMM_HOOKS)} (or null)")
+    check_comm_hook(preset)
     if preset == "powersgd":
         # rank-1 approximations after 10 exact steps: the PowerSGD paper's defaults for warm starts
         state = powerSGD_hook.PowerSGDState(

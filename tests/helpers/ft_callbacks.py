@@ -19,7 +19,7 @@ from typing import IO, Any
 import lightning as L
 import torch
 
-from lightning_train.plugins import AtomicCheckpointIO
+from lightning_train.checkpoint import AtomicCheckpointIO
 
 
 class Fault(L.Callback):

@@ -5,12 +5,13 @@ step its manifest records, then by modification time — verifying each candidat
 skipping (with a warning) the ones that are truncated or corrupt. A job script can therefore simply rerun
 the same command after a crash or a preemption. With no checkpoint it starts fresh and says so.
 
-    >>> from lightning_train.resume import resolve_resume
+    >>> from lightning_train.checkpoint import resolve_resume
     >>> resolve_resume("auto", "runs/pretrain-tiny/checkpoints")  # doctest: +SKIP
     'runs/pretrain-tiny/checkpoints/preempted.ckpt'
 
-A named PATH must exist: a checkpoint file or folder is verified (a corrupt one is an error, never
-silently replaced by another), a folder of checkpoints resolves to its newest valid one.
+A named PATH must exist: a checkpoint file is verified and read safely, a checkpoint folder verified
+(a corrupt or unsafe one is an error, never silently replaced by another); a folder of checkpoints
+resolves to its newest valid one.
 """
 
 from __future__ import annotations
@@ -19,14 +20,15 @@ from pathlib import Path
 
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
-from lightning_train.errors import UserInputError
-from lightning_train.plugins.checkpoint_io import (
+from lightning_train.checkpoint.format import (
     DCP_METADATA,
     FOLDER_MANIFEST,
     CorruptCheckpointError,
+    read_checkpoint,
     read_manifest,
     verify_checkpoint,
 )
+from lightning_train.errors import UserInputError
 
 RESUME_CHOICES = "auto, none or the path of a checkpoint (or of a folder of checkpoints)"
 
@@ -45,7 +47,10 @@ def resolve_resume(resume: str | None, checkpoint_dir: str | Path) -> str | None
     path = Path(resume)
     if not path.exists():
         raise UserInputError(f"--resume {resume}: no such file or folder; pass {RESUME_CHOICES}")
-    if path.is_file() or _is_checkpoint_folder(path):
+    if path.is_file():
+        read_checkpoint(path)  # verified and safely loadable (memory-mapped: the tensors are not read)
+        return str(path)
+    if _is_checkpoint_folder(path):
         verify_checkpoint(path)
         return str(path)
     found = find_resume_checkpoint(path)

@@ -1,4 +1,4 @@
-"""Atomic, verified checkpoints: what a checkpoint is on disk, and the CheckpointIO plugin that writes them.
+"""What a checkpoint is on disk: the manifest, atomic writes, verification and safe loading.
 
 A checkpoint is a file (``step=100.ckpt``, written by ``torch.save``) or a folder (a sharded
 ``torch.distributed.checkpoint`` save). It is complete when its manifest exists and matches it: a JSON
@@ -11,13 +11,10 @@ systems) and the folder entry fsynced; the manifest follows the same way. A kill
 either the previous checkpoint or the new one, and at worst a stale ``.partial`` that the next save
 removes.
 
-    >>> import lightning as L
-    >>> from lightning_train.plugins import AtomicCheckpointIO
-    >>> trainer = L.Trainer(plugins=[AtomicCheckpointIO()], max_steps=10)  # doctest: +SKIP
-
-Retention ("keep the last K") is left to ``ModelCheckpoint``, which knows which files it still tracks
-as best: ``ModelCheckpoint(monitor="step", mode="max", save_top_k=K, every_n_train_steps=N)`` keeps
-the newest K; this plugin removes a manifest together with its checkpoint.
+Loading never unpickles code of the file's choosing: ``read_checkpoint`` verifies the file, then
+``torch.load(weights_only=True)`` accepts tensors, plain containers and the few plain-value types in
+``safe_globals()``. Every way a file can be bad (missing, truncated, foreign, holding Python objects,
+newer format) ends in one ``UserInputError`` naming the file and the fix.
 """
 
 from __future__ import annotations
@@ -25,6 +22,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import pathlib
+import re
 import shutil
 import time
 import zipfile
@@ -34,12 +33,11 @@ from pathlib import Path
 from typing import IO, Any
 
 import torch
-from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
-from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
-from lightning.fabric.utilities.types import _PATH
+from lightning.fabric.utilities.data import AttributeDict
 
 from lightning_train.errors import UserInputError
-from lightning_train.models.weights import safe_globals
+from lightning_train.models.gpt import GPTConfig
+from lightning_train.models.lora import LoRAConfig
 
 FORMAT_VERSION = 1  # bump when the checkpoint layout changes incompatibly
 FORMAT_KEY = "lightning_train"  # checkpoint[FORMAT_KEY] = {"format_version": FORMAT_VERSION}
@@ -157,9 +155,69 @@ def _check_zip(path: Path) -> None:
         with zipfile.ZipFile(path) as archive:
             bad = archive.testzip()
     except (zipfile.BadZipFile, OSError) as error:
-        raise CorruptCheckpointError(f"checkpoint {path} is not a readable torch file ({error})") from error
+        raise CorruptCheckpointError(
+            f"checkpoint {path} is not a readable torch file ({error}): it is truncated or not a checkpoint; "
+            "pass a .ckpt written by lightning_train or torch.save (or copy it again)"
+        ) from error
     if bad is not None:
-        raise CorruptCheckpointError(f"checkpoint {path} is corrupt (bad CRC in {bad})")
+        raise CorruptCheckpointError(
+            f"checkpoint {path} is corrupt (bad CRC in {bad}); copy it again or use an earlier checkpoint"
+        )
+
+
+# ---- safe loading ---------------------------------------------------------------------------------------
+def safe_globals() -> list[type]:
+    """The only non-tensor types that loading a checkpoint accepts: plain-value containers of
+    hyper-parameters (our config dataclasses, Lightning's ``AttributeDict``, paths). Rebuilding them runs
+    no code of the file's choosing."""
+    return [GPTConfig, LoRAConfig, AttributeDict, pathlib.Path, pathlib.PosixPath, pathlib.WindowsPath]
+
+
+def load_torch_file(
+    path: str | Path | IO[bytes], map_location: Any = "cpu", mmap: bool = False, source: str | None = None
+) -> Any:
+    """``torch.load(weights_only=True)`` with ``safe_globals()``; a refusal or a read error becomes one
+    ``UserInputError`` naming the file (or ``source``). Verify the file first (``verify_checkpoint``):
+    torch.load on a foreign file fails in arbitrary ways."""
+    source = source or str(path)
+    try:
+        with torch.serialization.safe_globals(safe_globals()):
+            return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
+    except Exception as error:  # pickle.UnpicklingError for objects outside the allow-list, and others
+        found = re.search(r"GLOBAL ([\w.]+)", str(error))
+        if found:
+            raise UserInputError(
+                f"{source} holds Python objects beyond tensors ({found.group(1)}), which safe loading "
+                "refuses because unpickling them could run code; re-save its tensors with "
+                "safetensors.torch.save_file (or torch.save of tensors only), or load it yourself "
+                "if you trust it"
+            ) from error
+        raise CorruptCheckpointError(
+            f"cannot read checkpoint {source} ({type(error).__name__}: {error}); pass a checkpoint "
+            "written by lightning_train or torch.save"
+        ) from error
+
+
+def read_checkpoint(path: str | Path, map_location: Any = "cpu", mmap: bool = True) -> dict[str, Any]:
+    """A checkpoint file verified (manifest, else zip CRCs), loaded safely and checked for its format
+    version. ``mmap`` (the default) maps tensors instead of reading them: cheap when only the metadata
+    is needed."""
+    path = Path(path)
+    if path.is_dir():
+        raise UserInputError(
+            f"checkpoint {path} is a folder (a sharded checkpoint): load it with strategy lt_fsdp or lt_ddp, "
+            "or export it to one file with `python -m lightning_train consolidate`"
+        )
+    if not path.is_file():
+        raise UserInputError(f"checkpoint {path} does not exist; check the path")
+    verify_checkpoint(path)
+    checkpoint = load_torch_file(path, map_location=map_location, mmap=mmap)
+    if not isinstance(checkpoint, dict):
+        raise CorruptCheckpointError(
+            f"{path} holds a {type(checkpoint).__name__}, not a checkpoint dictionary; pass a .ckpt file"
+        )
+    check_format_version(checkpoint.get(FORMAT_KEY, {}).get("format_version", 0), path)
+    return checkpoint
 
 
 # ---- atomic writes --------------------------------------------------------------------------------------
@@ -247,67 +305,3 @@ class _HashingWriter:
         self.file.flush()
 
 
-# ---- the plugin -----------------------------------------------------------------------------------------
-class AtomicCheckpointIO(TorchCheckpointIO):
-    """``TorchCheckpointIO`` with atomic writes, a sha256 manifest per checkpoint and verified loads.
-
-    Loading checks the manifest first and raises ``CorruptCheckpointError`` for a truncated or altered
-    file (``--resume auto`` then falls back to the previous checkpoint), and a ``UserInputError`` for a
-    checkpoint of a newer format. Loads are ``weights_only`` (no arbitrary code is unpickled) while still
-    accepting the plain config dataclasses of lightning_train that modules keep in their hyperparameters.
-    Remote paths (``s3://`` ...) fall back to Lightning's own transactional write without a manifest.
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._cleaned_dirs: set[Path] = set()
-
-    def save_checkpoint(
-        self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None = None
-    ) -> None:
-        if storage_options is not None or not _is_local_file_protocol(path):
-            super().save_checkpoint(checkpoint, path, storage_options)
-            return
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self._remove_stale_partials(path.parent)
-        checkpoint[FORMAT_KEY] = {"format_version": FORMAT_VERSION}
-        digest = atomic_write_bytes(path, lambda f: self._serialize(checkpoint, f))
-        write_manifest(path, checkpoint.get("global_step"), checkpoint.get("epoch"), {path.name: digest})
-
-    def _serialize(self, checkpoint: dict[str, Any], file: IO[bytes]) -> None:
-        torch.save(checkpoint, file)
-
-    def load_checkpoint(
-        self, path: _PATH, map_location: Callable | None = lambda storage, loc: storage,
-        weights_only: bool | None = None,
-    ) -> dict[str, Any]:
-        if not _is_local_file_protocol(path):
-            return super().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
-        path = Path(path)
-        if not path.exists():
-            raise UserInputError(f"checkpoint {path} does not exist; check the path (or use --resume auto)")
-        verify_checkpoint(path)
-        if weights_only is False:
-            checkpoint = torch.load(path, map_location=map_location, weights_only=False)
-        else:
-            with torch.serialization.safe_globals(safe_globals()):
-                checkpoint = torch.load(path, map_location=map_location, weights_only=True)
-        check_format_version(checkpoint.get(FORMAT_KEY, {}).get("format_version", 0), path)
-        return checkpoint
-
-    def _remove_stale_partials(self, folder: Path) -> None:
-        """Delete the leftovers of writes killed in an earlier launch (once per folder and process)."""
-        if folder in self._cleaned_dirs:
-            return
-        self._cleaned_dirs.add(folder)
-        for leftover in folder.glob(f".*{PARTIAL_SUFFIX}"):
-            if leftover.is_file():
-                leftover.unlink(missing_ok=True)
-
-    def remove_checkpoint(self, path: _PATH) -> None:
-        super().remove_checkpoint(path)
-        if _is_local_file_protocol(path):
-            manifest = Path(str(path) + MANIFEST_SUFFIX)
-            if manifest.exists():
-                manifest.unlink()

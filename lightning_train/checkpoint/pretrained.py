@@ -1,0 +1,228 @@
+"""Opening pretrained weights from any source: ``open_pretrained``.
+
+Sources: a Lightning ``.ckpt`` of a PretrainModule/FinetuneModule, a sharded checkpoint folder (any
+world size), a plain ``.pt`` state dict, our export (``model.safetensors`` + ``config.json``), or a
+local Hugging Face GPT-2 / Llama folder. What the model is and how it is named comes from
+``lightning_train.models``; this module knows the files: where a LightningModule keeps its network
+(``model.`` in its state dict) and its hyper-parameters (``config``, ``tokenizer``, ``lora``).
+
+Nothing here unpickles arbitrary code: ``.safetensors`` files hold raw tensors only, and pickle-format
+files (``.ckpt``, ``.pt``, ``.bin``) are verified, then read with ``torch.load(weights_only=True)``
+(``format.read_checkpoint``). ``allow_pickle=False`` refuses pickle-format files altogether.
+
+    >>> pretrained = open_pretrained("runs/pretrain-tiny/checkpoints/last.ckpt")  # doctest: +SKIP
+    >>> pretrained.config.n_layer, pretrained.tokenizer  # doctest: +SKIP
+    (4, 'byte')
+    >>> model = pretrained.build()  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_train.checkpoint.export import CONFIG_FILE, MODEL_FILE, is_our_export, read_gpt_config
+from lightning_train.checkpoint.format import CorruptCheckpointError, read_checkpoint
+from lightning_train.checkpoint.sharded import is_sharded_checkpoint, load_sharded_model_state, read_metadata
+from lightning_train.data.tokenizers import ByteTokenizer
+from lightning_train.errors import UserInputError
+from lightning_train.models.gpt import GPT, GPTConfig
+from lightning_train.models.hf import config_from_hf, state_dict_from_hf
+from lightning_train.models.lora import LoRAConfig, apply_lora, merge_lora
+from lightning_train.models.weights import load_into
+
+PICKLE_SUFFIXES = (".ckpt", ".pt", ".pth", ".bin")
+MODULE_PREFIX = "model."  # where PretrainModule/FinetuneModule keep the network in their state dict
+StateDict = dict[str, torch.Tensor]
+
+
+@dataclasses.dataclass
+class Pretrained:
+    """What a weights source provides: the model's config, its tokenizer spec (``"byte"``, a path
+    for ``load_tokenizer``, or None when unknown) and a function returning the full state dict in
+    our GPT's key names (deferred, so a caller can read the config without loading the weights)."""
+
+    source: str
+    config: GPTConfig
+    tokenizer: str | None
+    read_state_dict: Callable[[], StateDict]
+
+    def build(self) -> GPT:
+        """A ``GPT`` with these weights (on the CPU, in eval mode)."""
+        model = GPT(self.config)
+        load_into(model, self.read_state_dict(), self.source)
+        return model.eval()
+
+
+def open_pretrained(
+    source: str | Path, config: GPTConfig | None = None, allow_pickle: bool = True
+) -> Pretrained:
+    """Resolve ``source``:
+
+    - a Lightning ``.ckpt`` of a PretrainModule/FinetuneModule (config from its hyper-parameters;
+      LoRA adapters are merged), a sharded checkpoint folder of one, or a plain ``.pt`` state dict
+      (needs ``config``);
+    - a ``.safetensors`` file with a ``config.json`` beside it (or ``config``), or the folder of both
+      (what ``save_safetensors`` writes);
+    - a local Hugging Face GPT-2 / Llama folder (``config.json`` + safetensors, ``tokenizer.json``).
+    """
+    path = Path(source).expanduser()
+    if not path.exists():
+        raise UserInputError(
+            f"weights source {str(source)!r} does not exist; pass a .ckpt, .safetensors or model folder"
+        )
+    tokenizer_json = (path if path.is_dir() else path.parent) / "tokenizer.json"
+    tokenizer = str(tokenizer_json) if tokenizer_json.is_file() else None
+    if path.is_dir() and is_our_export(path):
+        path = path / MODEL_FILE
+    if path.is_dir() and is_sharded_checkpoint(path):
+        _refuse_pickle(path, allow_pickle)
+        return _from_lightning_checkpoint(path, read_metadata(path), config, _sharded_reader(path))
+    if path.is_dir():
+        return _from_hf_folder(path, tokenizer, allow_pickle)
+    if path.suffix == ".safetensors":
+        config = config or read_gpt_config(path.parent / CONFIG_FILE)
+        tokenizer = tokenizer or _byte_if_fits(config)
+        return Pretrained(str(path), config, tokenizer, lambda: read_safetensors(path))
+    if path.suffix not in PICKLE_SUFFIXES:
+        raise UserInputError(
+            f"{str(source)!r} is not a checkpoint this package reads: use a Lightning .ckpt, "
+            f"a .safetensors file with config.json, or a Hugging Face model folder"
+        )
+    _refuse_pickle(path, allow_pickle)
+    checkpoint = read_checkpoint(path)
+    if "state_dict" not in checkpoint:  # a bare state dict
+        if config is None:
+            raise UserInputError(f"{str(source)!r} is a bare state dict; give its model.config to load it")
+        return Pretrained(str(path), config, tokenizer or _byte_if_fits(config), lambda: checkpoint)
+    return _from_lightning_checkpoint(path, checkpoint, config)
+
+
+def read_safetensors(path: Path) -> StateDict:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(str(path))
+    except (SafetensorError, OSError) as err:
+        raise CorruptCheckpointError(
+            f"cannot read safetensors file {str(path)!r} ({err}); it is truncated or not a safetensors file"
+        ) from err
+
+
+def _refuse_pickle(path: Path, allow_pickle: bool) -> None:
+    if not allow_pickle:
+        raise UserInputError(
+            f"{str(path)!r} is a pickle-format checkpoint and allow_pickle is false; convert it to "
+            "safetensors (`python -m lightning_train consolidate`) or set allow_pickle: true "
+            "(it is then read with torch.load(weights_only=True), which never runs code from the file)"
+        )
+
+
+# ---- checkpoints of our LightningModules ----------------------------------------------------------------
+def _sharded_reader(path: Path) -> Callable[[nn.Module], StateDict]:
+    def read_shards(model: nn.Module) -> StateDict:
+        load_sharded_model_state(path, model, prefix=MODULE_PREFIX)
+        return model.state_dict()
+
+    return read_shards
+
+
+def _from_lightning_checkpoint(
+    path: Path,
+    checkpoint: dict[str, Any],
+    config: GPTConfig | None,
+    read_shards: Callable[[nn.Module], StateDict] | None = None,
+) -> Pretrained:
+    source = str(path)
+    hparams = checkpoint.get("hyper_parameters", {})
+    saved = hparams.get("config")
+    config = config or (GPTConfig(**saved) if isinstance(saved, dict) else saved)
+    if not isinstance(config, GPTConfig):
+        raise UserInputError(f"checkpoint {source!r} records no GPTConfig; give its model.config to load it")
+    tokenizer = hparams.get("tokenizer") or _tokenizer_of_data(checkpoint) or _byte_if_fits(config)
+    lora = hparams.get("lora")
+
+    def read_state_dict() -> StateDict:
+        model = GPT(config)
+        if lora:
+            model = apply_lora(model, LoRAConfig(**lora) if isinstance(lora, dict) else lora)
+        if read_shards is not None:
+            weights = read_shards(model)
+        else:
+            state_dict = checkpoint["state_dict"]
+            weights = {
+                k.removeprefix(MODULE_PREFIX): v for k, v in state_dict.items() if k.startswith(MODULE_PREFIX)
+            }
+            weights = {k.replace("_orig_mod.", ""): v for k, v in weights.items()}  # torch.compile'd modules
+            if not lora:
+                return weights
+            load_into(model, weights, source)
+        return merge_lora(model).state_dict() if lora else weights
+
+    return Pretrained(source, config, tokenizer, read_state_dict)
+
+
+def _tokenizer_of_data(checkpoint: dict[str, Any]) -> str | None:
+    """The tokenizer of the dataset a PretrainModule was trained on (``meta.json`` of its data_dir)."""
+    data = checkpoint.get("datamodule_hyper_parameters", {})
+    if "data_dir" not in data:
+        return None
+    if data["data_dir"] is None:
+        return "byte"  # the default corpus
+    try:
+        return json.loads((Path(data["data_dir"]) / "meta.json").read_text(encoding="utf-8"))["tokenizer"]
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def _byte_if_fits(config: GPTConfig) -> str | None:
+    """A source that names no tokenizer: the byte tokenizer when the vocabulary is exactly its size."""
+    return "byte" if config.vocab_size == ByteTokenizer.vocab_size else None
+
+
+# ---- Hugging Face folders -------------------------------------------------------------------------------
+def _from_hf_folder(path: Path, tokenizer: str | None, allow_pickle: bool) -> Pretrained:
+    config_path = path / CONFIG_FILE
+    if not config_path.is_file():
+        raise UserInputError(
+            f"folder {str(path)!r} holds neither model.safetensors with a lightning_train config.json, "
+            "a sharded checkpoint, nor a Hugging Face model (config.json); pass a file or a model folder"
+        )
+    try:
+        hf = json.loads(config_path.read_text(encoding="utf-8"))
+    except ValueError as err:
+        raise UserInputError(f"{str(config_path)!r} is not valid JSON: {err}") from err
+    config = config_from_hf(hf, str(path))
+    return Pretrained(
+        str(path), config, tokenizer,
+        lambda: state_dict_from_hf(_read_hf_weights(path, allow_pickle), config, str(path)),
+    )
+
+
+def _read_hf_weights(path: Path, allow_pickle: bool) -> StateDict:
+    """All tensors of the folder: ``model.safetensors``, its shards, or (pickle) ``pytorch_model.bin``."""
+    for index_name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
+        index = path / index_name
+        if index.is_file():
+            shards = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
+            return {k: v for name in shards for k, v in _read_weights_file(path / name, allow_pickle).items()}
+    for name in ("model.safetensors", "pytorch_model.bin"):
+        if (path / name).is_file():
+            return _read_weights_file(path / name, allow_pickle)
+    raise UserInputError(f"{str(path)!r} has no model.safetensors (or pytorch_model.bin); nothing to load")
+
+
+def _read_weights_file(path: Path, allow_pickle: bool) -> StateDict:
+    if not path.is_file():
+        raise UserInputError(f"weights file {str(path)!r} does not exist; the folder is incomplete")
+    if path.suffix == ".safetensors":
+        return read_safetensors(path)
+    _refuse_pickle(path, allow_pickle)
+    return read_checkpoint(path)

@@ -1,0 +1,248 @@
+"""Sharded checkpoints: ``torch.distributed.checkpoint`` (DCP) folders, saved, loaded and re-sharded.
+
+A sharded checkpoint is a folder that Lightning's ``ModelParallelStrategy`` layout defines: DCP shards
+of ``{"state_dict": <LightningModule state>, "optimizer_0": <optimizer state>}`` (one file per rank,
+plus DCP's ``.metadata``) and ``meta.pt`` with everything else a resume needs (step counters, loops
+and data-loader position, LR schedulers, callbacks, hyper-parameters). DCP re-shards on load, so a
+folder written by N ranks loads on any number of ranks, or in one plain process.
+
+DCP's own reader unpickles ``.metadata`` with plain ``pickle`` and non-tensor items with
+``torch.load(weights_only=False)``: a hostile folder could run code. Every load here goes through
+``_SafeReader`` and ``_SafeLoadPlanner`` instead, which accept only DCP's metadata classes and
+``weights_only`` items.
+
+    load_sharded_model_state("runs/x/checkpoints/last.ckpt", model)      # weights into a GPT
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.fabric.utilities.load import _METADATA_FILENAME
+from torch import nn
+from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+from torch.distributed.checkpoint.metadata import Metadata
+
+from lightning_train.checkpoint.format import atomic_checkpoint_dir, load_torch_file, verify_checkpoint
+from lightning_train.errors import UserInputError
+
+_DCP_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
+_PLAIN_GLOBALS = {
+    ("torch", "Size"), ("torch.serialization", "_get_layout"),  # a layout from its name
+    ("pathlib", "Path"), ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"),
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Rebuilds DCP's ``.metadata`` from DCP's own classes, torch sizes, dtypes and layouts only."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module in _DCP_MODULES or (module, name) in _PLAIN_GLOBALS:
+            found = super().find_class(module, name)
+            if module not in _DCP_MODULES or (isinstance(found, type) and found.__module__ == module):
+                return found
+        elif module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"GLOBAL {module}.{name} is not allowed in a DCP .metadata file")
+
+
+class _SafeReader(FileSystemReader):
+    """``FileSystemReader`` whose ``.metadata`` is unpickled by ``_MetadataUnpickler``."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        path = Path(self.path) / ".metadata"
+        try:
+            metadata = _MetadataUnpickler(io.BytesIO(path.read_bytes())).load()
+        except Exception as error:
+            raise UserInputError(
+                f"cannot read the index {path} of sharded checkpoint {self.path} "
+                f"({type(error).__name__}: {error}); it is corrupt, hostile or not a "
+                "torch.distributed.checkpoint folder"
+            ) from error
+        if not isinstance(metadata, Metadata):
+            raise UserInputError(f"{path} is not a torch.distributed.checkpoint index")
+        if getattr(metadata, "storage_meta", None) is None:
+            from torch.distributed.checkpoint.metadata import StorageMeta
+
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class _SafeLoadPlanner(DefaultLoadPlanner):
+    """``DefaultLoadPlanner`` whose non-tensor items (optimizer hyper-parameters, ...) are read with
+    ``weights_only=True``: the item is loaded safely, and only that safe copy is handed to DCP (which
+    would ``torch.load(weights_only=False)`` the file's own bytes)."""
+
+    def __init__(self, path: str | Path) -> None:
+        super().__init__()
+        self.path = path
+
+    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        item = load_torch_file(value, source=f"{read_item.dest_index.fqn} of {self.path}")
+        safe_copy = io.BytesIO()
+        torch.save(item, safe_copy)
+        safe_copy.seek(0)
+        super().load_bytes(read_item, safe_copy)
+
+
+def _load(state: dict[str, Any], path: str | Path) -> None:
+    """``torch.distributed.checkpoint.load`` through the safe reader and planner."""
+    from torch.distributed.checkpoint import load
+
+    load(state, storage_reader=_SafeReader(str(path)), planner=_SafeLoadPlanner(path))
+
+
+def is_sharded_checkpoint(path: str | Path) -> bool:
+    return Path(path).is_dir() and (Path(path) / _METADATA_FILENAME).is_file()
+
+
+def checkpoint_tensor_shapes(path: str | Path, section: str = "state_dict") -> dict[str, tuple[int, ...]]:
+    """Global shapes of the tensors saved under ``section`` (``"state_dict"``: the LightningModule's)."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    metadata = _SafeReader(str(path)).read_metadata().state_dict_metadata
+    prefix = section + "."
+    return {
+        key[len(prefix) :]: tuple(item.size)
+        for key, item in metadata.items()
+        if key.startswith(prefix) and isinstance(item, TensorStorageMetadata)
+    }
+
+
+def check_compatible(
+    path: str | Path, expected: dict[str, tuple[int, ...]], strict: bool = True
+) -> dict[str, tuple[int, ...]]:
+    """Raise one UserInputError naming every missing, unexpected and mis-shaped tensor between the
+    checkpoint's LightningModule state and ``expected`` (name -> global shape); ``strict=False`` only
+    checks shapes. Returns the checkpoint's shapes."""
+    saved = checkpoint_tensor_shapes(path)
+    problems = [
+        f"{key}: checkpoint {saved[key]} vs model {tuple(shape)}"
+        for key, shape in expected.items()
+        if key in saved and tuple(saved[key]) != tuple(shape)
+    ]
+    if strict:
+        problems += [f"{key}: missing from the checkpoint" for key in expected if key not in saved]
+        problems += [f"{key}: not in the model" for key in saved if key not in expected]
+    if problems:
+        listed = "; ".join(problems[:8]) + (f"; and {len(problems) - 8} more" if len(problems) > 8 else "")
+        raise UserInputError(
+            f"the sharded checkpoint {path} does not fit this model ({listed}); resume with the model "
+            "config the checkpoint was trained with, or start a new run"
+        )
+    return saved
+
+
+def load_sharded_model_state(
+    path: str | Path, model: nn.Module, prefix: str = "model.", strict: bool = True
+) -> None:
+    """Load the weights of a sharded checkpoint folder into ``model``, on any number of ranks (or in a
+    plain process), whether ``model`` is plain or sharded with ``fully_shard``.
+
+    ``prefix`` is where the network sits inside the saved LightningModule (``PretrainModule.model``);
+    pass ``""`` for a LightningModule. ``strict=False`` leaves parameters the checkpoint lacks (e.g.
+    new LoRA adapters) as they are; shapes must match either way.
+    """
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    if not is_sharded_checkpoint(path):
+        raise UserInputError(f"{path} is not a sharded checkpoint folder (it has no {_METADATA_FILENAME})")
+    own = get_model_state_dict(model)
+    saved = check_compatible(
+        path, {prefix + key: tuple(value.shape) for key, value in own.items()}, strict=False
+    )
+    missing = [key for key in own if prefix + key not in saved]
+    if strict and missing:
+        raise UserInputError(
+            f"the sharded checkpoint {path} lacks {len(missing)} of the model's tensors under prefix "
+            f"{prefix!r} (e.g. {missing[:4]}); pass the right prefix, or strict=False for new parameters"
+        )
+    to_load = {key: value for key, value in own.items() if prefix + key in saved}
+    _load({"state_dict": {prefix + key: value for key, value in to_load.items()}}, path)
+    set_model_state_dict(model, to_load, options=_options(strict=False))
+
+
+def save_sharded_checkpoint(
+    checkpoint: dict[str, Any], path: Path, is_writer: bool, barrier: Callable[[], None]
+) -> None:
+    """Write ``checkpoint`` as a sharded folder at ``path``, atomically and verifiably; a collective
+    (every rank calls it). Every rank writes its DCP shard of model and optimizer state into the hidden
+    ``.<name>.partial`` sibling, the writer adds ``meta.pt`` (everything else: counters, loops and data
+    position, schedulers, callbacks, hyper-parameters), then fsyncs, writes ``manifest.json`` (sizes +
+    sha256) and renames the folder into place. A crash mid-save leaves the previous checkpoint at
+    ``path`` untouched."""
+    from torch.distributed.checkpoint import save
+
+    state = {"state_dict": checkpoint.pop("state_dict")}
+    state.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
+    with atomic_checkpoint_dir(
+        path, checkpoint.get("global_step"), checkpoint.get("epoch"), is_writer=is_writer
+    ) as staging:
+        barrier()  # the writer has cleared the staging folder before anyone writes into it
+        save(state, checkpoint_id=str(staging))  # collective: returns when every rank's shard is written
+        if is_writer:
+            torch.save(checkpoint, staging / _METADATA_FILENAME)
+    barrier()
+
+
+def load_sharded_checkpoint(
+    path: Path,
+    module: nn.Module,
+    optimizers: Sequence[torch.optim.Optimizer],
+    strict: bool,
+    is_verifier: bool,
+    broadcast: Callable[[Any], Any],
+    weights_only: bool = True,
+) -> dict[str, Any]:
+    """Load model and optimizer states from a sharded folder written at any world size (DCP re-shards
+    on load) into ``module`` (plain or FSDP2-sharded) and ``optimizers``; a collective. Returns the rest
+    of the checkpoint (``meta.pt``) for Lightning to restore."""
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    # sha256 of every shard against the manifest, once (on the verifier rank), before any rank reads a byte
+    problem = None
+    if is_verifier:
+        try:
+            verify_checkpoint(path)
+        except UserInputError as error:
+            problem = error
+    if (problem := broadcast(problem)) is not None:
+        raise problem
+    model_state = get_model_state_dict(module)
+    check_compatible(path, {k: tuple(v.shape) for k, v in model_state.items()}, strict=strict)
+    _load({"state_dict": model_state}, path)
+    set_model_state_dict(module, model_state, options=_options(strict=strict))
+    for index, optimizer in enumerate(optimizers):
+        optimizer_state = {f"optimizer_{index}": get_optimizer_state_dict(module, optimizer)}
+        _load(optimizer_state, path)
+        set_optimizer_state_dict(module, optimizer, optimizer_state[f"optimizer_{index}"])
+    return read_metadata(path, weights_only)
+
+
+def _options(**kwargs: Any) -> Any:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(**kwargs)
+
+
+def read_metadata(path: str | Path, weights_only: bool = True) -> dict[str, Any]:
+    """``meta.pt`` of a sharded checkpoint, loaded safely: ``weights_only`` (the default) accepts plain
+    containers, tensors and ``format.safe_globals()`` only, so nothing in the file can run code;
+    ``weights_only=False`` is for files the caller trusts."""
+    file = Path(path) / _METADATA_FILENAME
+    if not file.is_file():
+        raise UserInputError(f"sharded checkpoint {path} has no {_METADATA_FILENAME}: it is incomplete")
+    if not weights_only:
+        return torch.load(file, map_location="cpu", weights_only=False)
+    return load_torch_file(file)
