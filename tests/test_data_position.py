@@ -5,8 +5,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import lightning as L
+import numpy as np
 import pytest
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_train.data import SFTDataModule, TextDataModule, prepare
 from tests.test_data import sentences
@@ -96,3 +99,94 @@ def test_sft_loader_skips_and_has_its_own_generator(tmp_path: Path):
     state = torch.random.get_rng_state()
     iter(loader())
     assert torch.equal(state, torch.random.get_rng_state())
+
+
+@pytest.mark.parametrize("saved_after", [1, 3, 6])
+def test_resume_after_a_skip_with_workers_continues_as_the_run_would(dataset: Path, saved_after: int):
+    """A checkpoint taken while batches drawn before the skip are still coming (or after them) resumes into
+    the very batches the uninterrupted run trains on: the prefetched ones, then the batches after the skip."""
+    reference = take(iter(text_loader(dataset)), 14)
+    loader = text_loader(dataset, num_workers=1)
+    iterator = iter(loader)
+    take(iterator, 1)
+    loader.sampler.skip_batches(3)  # batches 1..4 are drawn already; 5, 6, 7 are skipped
+    take(iterator, saved_after - 1)
+    state = loader.state_dict()
+    expected = (reference[1:5] + reference[8:])[saved_after - 1 : saved_after + 3]
+    assert same(take(iterator, 4), expected)
+    for num_workers in (0, 1):
+        resumed = text_loader(dataset, num_workers=num_workers)
+        resumed.load_state_dict(state)
+        assert same(take(iter(resumed), 4), expected), num_workers
+
+
+# Lightning runs whose global batch changes on resume (per-device batch size here, device count in the
+# CLI tests below: the sampler sees the same thing, batch_size x devices)
+
+
+class RowRecorder(L.LightningModule):
+    """Remembers every row it trained on, in order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding = torch.nn.Embedding(258, 1)
+        self.rows: list[tuple[int, ...]] = []
+
+    def training_step(self, batch, batch_idx):
+        self.rows += [tuple(row) for row in batch["input_ids"].tolist()]
+        return self.embedding(batch["input_ids"]).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def fit_rows(
+    dataset: Path,
+    root: Path,
+    batch_size: int,
+    max_steps: int,
+    num_workers: int = 0,
+    ckpt_path: str | None = None,
+) -> list[tuple[int, ...]]:
+    model = RowRecorder()
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, max_steps=max_steps, limit_val_batches=0, logger=False,
+        enable_progress_bar=False, enable_model_summary=False, default_root_dir=root,
+        callbacks=[ModelCheckpoint(root, every_n_train_steps=max_steps, save_top_k=-1)],
+    )  # fmt: skip
+    data = TextDataModule(str(dataset), seq_len=16, batch_size=batch_size, num_workers=num_workers)
+    trainer.fit(model, data, ckpt_path=ckpt_path)
+    return model.rows
+
+
+def stream_rows(dataset: Path, global_batch: int, epochs: int) -> list[tuple[int, ...]]:
+    """The documented order: epoch e is the permutation seeded by (seed, e), cut into whole global batches."""
+    windows = TextDataModule(str(dataset), seq_len=16, seed=1234).train_loader().sampler.dataset
+    rows = []
+    for epoch in range(epochs):
+        order = np.random.default_rng((1234, epoch)).permutation(len(windows))
+        rows += [
+            tuple(windows[int(i)]["input_ids"].tolist())
+            for i in order[: len(order) // global_batch * global_batch]
+        ]
+    return rows
+
+
+@pytest.mark.parametrize(
+    ("before", "after", "num_workers"), [(4, 8, 0), (8, 4, 1)], ids=["grows", "shrinks-with-workers"]
+)
+def test_resume_at_another_global_batch_repeats_and_skips_nothing(
+    dataset: Path, tmp_path: Path, before, after, num_workers
+):
+    """Mid-epoch 0, the global batch changes; the resumed run finishes epoch 0 with exactly the samples not
+    yet consumed (the last incomplete batch dropped) and goes on with epoch 1 from its start."""
+    first_steps, resumed_steps = 20, 30
+    rows = fit_rows(dataset, tmp_path / "a", before, first_steps, num_workers)
+    (ckpt,) = (tmp_path / "a").glob(f"*step={first_steps}.ckpt")
+    rows += fit_rows(dataset, tmp_path / "b", after, first_steps + resumed_steps, num_workers, str(ckpt))
+    epoch0 = stream_rows(dataset, before, 1)[: first_steps * before]
+    rest = stream_rows(dataset, after, 1)[first_steps * before :]  # epoch 0 cut at the new size
+    epoch1 = stream_rows(dataset, after, 2)[len(stream_rows(dataset, after, 1)) :]
+    expected = epoch0 + rest + epoch1
+    assert len(rows) == first_steps * before + resumed_steps * after
+    assert rows == expected[: len(rows)]

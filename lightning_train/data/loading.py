@@ -19,7 +19,7 @@ Sharding and resume under Lightning:
 - The samplers subclass ``DistributedSampler``, so Lightning leaves them alone (``use_distributed_sampler``
   only replaces plain samplers). They shard by the strategy's data-parallel rank themselves, and Lightning
   still calls ``set_epoch`` on them at the start of every epoch.
-- The train loader is a ``StatefulDataLoader``. Lightning's fit loop puts its ``state_dict()`` (rank zero's;
+- The train loader is a ``ResumableLoader``. Lightning's fit loop puts its ``state_dict()`` (rank zero's;
   being global, it is every rank's) into every checkpoint (``loops.fit_loop.state_dict.combined_loader``)
   and, on resume, loads it right before creating the iterator. With workers, that iterator prefetches
   indices before Lightning calls ``set_epoch``, so the epoch travels in the sampler's state, and a position
@@ -31,6 +31,8 @@ Sharding and resume under Lightning:
 
 from __future__ import annotations
 
+import copy
+from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -38,7 +40,6 @@ import lightning as L
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
-from torchdata.stateful_dataloader import StatefulDataLoader
 
 from lightning_train.errors import UserInputError
 
@@ -58,8 +59,10 @@ class GlobalOrderSampler(DistributedSampler):
     samples: all whole global batches, at most ``limit_batches`` (Lightning's ``limit_train_batches``: an int,
     or a fraction of the epoch). Rank ``r`` yields samples ``r, r + num_replicas, ...`` of each global batch.
 
-    ``state_dict()`` holds the epoch and ``consumed``, the global samples of the epoch drawn or skipped, plus
-    what the position is only valid for (dataset size, seed, order) and the global batch it was saved with.
+    ``state_dict()`` is the position after the last batch its ``ResumableLoader`` handed out (workers draw
+    batches ahead; those do not count): the epoch and ``consumed``, the global samples of the epoch drawn or
+    skipped, the skips asked for after that batch was drawn, and what the position is only valid for
+    (dataset size, seed, order).
     """
 
     def __init__(
@@ -85,58 +88,82 @@ class GlobalOrderSampler(DistributedSampler):
         self.epoch_samples = self.batches_per_epoch * self.global_batch  # where the epoch ends, globally
         self.consumed = 0  # global samples of this epoch drawn or skipped
         self.skip_into_next_epoch = 0  # global samples a skip past the epoch's end still has to pass over
+        self.pending_skips: list[list[int]] = []  # loaded [epoch, at, samples] skips not yet reached
+        self.drawn: deque[dict[str, Any]] = deque()  # the position after each batch drawn, not handed out
+        self.handed_out = self._position()  # the position after the last batch handed out
+        # Called with the epoch's batches done, counted at this global batch, when a position saved at
+        # another global batch is loaded mid-epoch (see ResumableDataModule._recount_epoch_batches).
+        self.on_global_batch_change: Callable[[int], None] | None = None
 
     def __iter__(self) -> Iterator[int]:
         n = len(self.dataset)
         shuffled = self.shuffle
         order = np.random.default_rng((self.seed, self.epoch)).permutation(n) if shuffled else np.arange(n)
-        # Reads the position before each batch, so a skip_batches in between jumps right there.
-        while self.consumed + self.global_batch <= self.epoch_samples:
+        self.drawn.clear()  # a new iterator: batches drawn for the last one are dropped
+        self.handed_out = self._position()
+        while True:  # reads the position before each batch, so a skip_batches in between jumps right there
+            self._apply_due_skips()
+            if self.consumed + self.global_batch > self.epoch_samples:
+                return
             first = self.consumed + self.rank
             batch = order[first : first + self.global_batch : self.num_replicas]
             self.consumed += self.global_batch
+            self.drawn.append(self._position())
             yield from batch.tolist()
+
+    def batch_handed_out(self) -> None:
+        """The loader gave the oldest drawn batch to its caller: that is now the saved position."""
+        self.handed_out = self.drawn.popleft()
 
     def skip_batches(self, num_batches: int) -> None:
         """Pass over the next ``num_batches`` global batches of the order without loading them.
 
         Call it with the same ``num_batches`` on every data-parallel rank: each then skips
         ``num_batches x batch_size x num_replicas`` samples of the one global order, so the ranks stay in
-        step. A skip past the epoch's end ends the epoch and goes on into the next one. The position in
-        ``state_dict()`` counts the skipped batches, so a run resumed after the skip continues after them.
+        step. A skip past the epoch's end ends the epoch and goes on into the next one. The saved position
+        counts the skipped batches, so a run resumed after the skip continues after them.
 
-        Indices a loader has already drawn are not affected: they are the next batches it yields. Lightning
-        does not prefetch a sized loader, so with ``num_workers=0`` the skip starts at the very next batch;
-        with workers each worker holds ``prefetch_factor`` batches drawn ahead (``prefetch_factor x
-        num_workers`` in all), which are still loaded and trained on before the skip takes effect.
+        Batches a loader has already drawn are not affected: they are the next ones it yields (and a run
+        resumed from a checkpoint taken before they came yields them too). Lightning does not prefetch a
+        sized loader, so with ``num_workers=0`` the skip starts at the very next batch; with workers
+        ``prefetch_factor x num_workers`` batches are drawn ahead, and those are still loaded and trained on.
         """
         if num_batches < 0:
             raise ValueError(f"num_batches={num_batches} must be at least 0")
-        samples = num_batches * self.global_batch
-        within_epoch = min(samples, max(self.epoch_samples - self.consumed, 0))
-        self.consumed += within_epoch
-        self.skip_into_next_epoch += samples - within_epoch
+        skip = [self.epoch, self.consumed, num_batches * self.global_batch]
+        for position in (self.handed_out, *self.drawn):  # drawn before the skip: it is still ahead of them
+            position["pending_skips"].append(skip)
+        self._advance(skip[2])
 
     def set_epoch(self, epoch: int) -> None:
         if epoch == self.epoch:
             return
-        carried = self.skip_into_next_epoch if epoch == self.epoch + 1 else 0
+        if epoch == self.epoch + 1:  # skips of the old epoch not reached yet go on into this one
+            for _, at, samples in self.pending_skips:
+                self.consumed = max(self.consumed, at)
+                self._advance(samples)
+            carried = self.skip_into_next_epoch
+        else:
+            carried = 0
         super().set_epoch(epoch)
+        self.pending_skips = []
         self.consumed = min(carried, self.epoch_samples)  # a position belongs to its epoch only
         self.skip_into_next_epoch = carried - self.consumed
 
     def state_dict(self) -> dict[str, Any]:
         return {
-            "epoch": self.epoch,
-            "consumed": self.consumed,
-            "skip_into_next_epoch": self.skip_into_next_epoch,
-            "global_batch": self.global_batch,
+            **copy.deepcopy(self.handed_out),
             "dataset_size": len(self.dataset),
             "seed": self.seed,
             "shuffle": self.shuffle,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if "consumed" not in state:
+            raise UserInputError(
+                "the checkpoint's data position was saved by an older lightning_train (per rank, not "
+                "global); resume it with the version that wrote it, or start a new run from its weights"
+            )
         saved = (state["dataset_size"], state["seed"], state["shuffle"])
         if saved != (len(self.dataset), self.seed, self.shuffle):
             raise UserInputError(
@@ -147,8 +174,50 @@ class GlobalOrderSampler(DistributedSampler):
             )
         self.epoch, self.consumed = state["epoch"], state["consumed"]
         self.skip_into_next_epoch = state["skip_into_next_epoch"]
+        self.pending_skips = [list(skip) for skip in state["pending_skips"]]
+        self._apply_due_skips()
         if self.consumed + self.global_batch > self.epoch_samples:  # no whole batch left: the next epoch
             self.set_epoch(self.epoch + 1)
+        elif state["global_batch"] != self.global_batch and self.on_global_batch_change is not None:
+            left = (self.epoch_samples - self.consumed) // self.global_batch
+            self.on_global_batch_change(self.batches_per_epoch - left)
+        self.handed_out = self._position()
+
+    def _position(self) -> dict[str, Any]:
+        return {
+            "epoch": self.epoch,
+            "consumed": self.consumed,
+            "skip_into_next_epoch": self.skip_into_next_epoch,
+            "pending_skips": [list(skip) for skip in self.pending_skips],
+            "global_batch": self.global_batch,
+        }
+
+    def _advance(self, samples: int) -> None:
+        within_epoch = min(samples, max(self.epoch_samples - self.consumed, 0))
+        self.consumed += within_epoch
+        self.skip_into_next_epoch += samples - within_epoch
+
+    def _apply_due_skips(self) -> None:
+        while self.pending_skips and self.pending_skips[0][:2] <= [self.epoch, self.consumed]:
+            self._advance(self.pending_skips.pop(0)[2])
+
+
+class ResumableLoader(DataLoader):
+    """A ``DataLoader`` over a ``GlobalOrderSampler`` whose ``state_dict`` is the sampler's position after the
+    last batch handed out; independent of the world size and the number of workers."""
+
+    sampler: GlobalOrderSampler
+
+    def __iter__(self) -> Iterator[Any]:
+        for batch in super().__iter__():
+            self.sampler.batch_handed_out()
+            yield batch
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.sampler.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.sampler.load_state_dict(state)
 
 
 class ResumableDataModule(L.LightningDataModule):
@@ -164,9 +233,11 @@ class ResumableDataModule(L.LightningDataModule):
     train_set: Dataset | None
     val_set: Dataset | None
 
-    def train_dataloader(self) -> StatefulDataLoader:
+    def train_dataloader(self) -> ResumableLoader:
         limit = self.trainer.limit_train_batches if self.trainer is not None else 1.0
-        return self.train_loader(*self._data_parallel_rank(), limit_batches=limit)
+        loader = self.train_loader(*self._data_parallel_rank(), limit_batches=limit)
+        loader.sampler.on_global_batch_change = self._recount_epoch_batches
+        return loader
 
     def val_dataloader(self) -> DataLoader:
         return self.val_loader(*self._data_parallel_rank())
@@ -174,7 +245,7 @@ class ResumableDataModule(L.LightningDataModule):
     # Loaders for an explicit rank (what the hooks above use)
     def train_loader(
         self, rank: int = 0, world_size: int = 1, limit_batches: int | float = 1.0
-    ) -> StatefulDataLoader:
+    ) -> ResumableLoader:
         self.setup()
         assert self.train_set is not None
         sampler = GlobalOrderSampler(
@@ -185,7 +256,7 @@ class ResumableDataModule(L.LightningDataModule):
                 f"the train split has {self.describe_train_set()}, fewer than batch_size={self.batch_size} x "
                 f"{world_size} devices; lower one of them or add data"
             )
-        return StatefulDataLoader(
+        return ResumableLoader(
             self.train_set, batch_size=self.batch_size, sampler=sampler, collate_fn=self.collate(),
             **self._worker_kwargs(),
         )  # fmt: skip
@@ -205,6 +276,15 @@ class ResumableDataModule(L.LightningDataModule):
 
     def describe_train_set(self) -> str:
         return f"{len(self.train_set)} examples"
+
+    def _recount_epoch_batches(self, batches_done: int) -> None:
+        """Lightning ends an epoch when its count of the epoch's batches reaches ``len(loader)``. A run
+        resumed at another global batch restores that count in batches of the old size, so the epoch would
+        end too early (samples left out) or too late: restate it in batches of this size."""
+        progress = self.trainer.fit_loop.epoch_loop.batch_progress.current
+        shift = batches_done - progress.ready
+        for counter in ("ready", "started", "processed", "completed"):
+            setattr(progress, counter, getattr(progress, counter) + shift)
 
     def _worker_kwargs(self) -> dict[str, Any]:
         workers = {"persistent_workers": True, "prefetch_factor": 4} if self.num_workers > 0 else {}
