@@ -17,7 +17,7 @@ from tests.test_data import sentences
 
 @pytest.fixture
 def dataset(tmp_path: Path) -> Path:
-    """~4k byte tokens: about 230 train windows of 16 tokens."""
+    """~4k byte tokens: 240 train windows of 16 tokens (60 batches of 4)."""
     src = tmp_path / "src.jsonl"
     src.write_text("".join(json.dumps({"text": d}) + "\n" for d in sentences(30)))
     return prepare([str(src)], tmp_path / "data", val_fraction=0.1, num_workers=0)
@@ -147,11 +147,12 @@ def fit_rows(
     max_steps: int,
     num_workers: int = 0,
     ckpt_path: str | None = None,
+    limit: float = 1.0,
 ) -> list[tuple[int, ...]]:
     model = RowRecorder()
     trainer = L.Trainer(
-        accelerator="cpu", devices=1, max_steps=max_steps, limit_val_batches=0, logger=False,
-        enable_progress_bar=False, enable_model_summary=False, default_root_dir=root,
+        accelerator="cpu", devices=1, max_steps=max_steps, limit_train_batches=limit, limit_val_batches=0,
+        logger=False, enable_progress_bar=False, enable_model_summary=False, default_root_dir=root,
         callbacks=[ModelCheckpoint(root, every_n_train_steps=max_steps, save_top_k=-1)],
     )  # fmt: skip
     data = TextDataModule(str(dataset), seq_len=16, batch_size=batch_size, num_workers=num_workers)
@@ -159,17 +160,24 @@ def fit_rows(
     return model.rows
 
 
-def stream_rows(dataset: Path, global_batch: int, epochs: int) -> list[tuple[int, ...]]:
-    """The documented order: epoch e is the permutation seeded by (seed, e), cut into whole global batches."""
+def stream_rows(dataset: Path, global_batch: int, epochs: int, limit: float = 1.0) -> list[tuple[int, ...]]:
+    """The documented order: epoch e is the permutation seeded by (seed, e), cut into whole global batches,
+    the first ``limit`` of them."""
     windows = TextDataModule(str(dataset), seq_len=16, seed=1234).train_loader().sampler.dataset
     rows = []
     for epoch in range(epochs):
         order = np.random.default_rng((1234, epoch)).permutation(len(windows))
-        rows += [
-            tuple(windows[int(i)]["input_ids"].tolist())
-            for i in order[: len(order) // global_batch * global_batch]
-        ]
+        batches = int(len(order) // global_batch * limit)
+        rows += [tuple(windows[int(i)]["input_ids"].tolist()) for i in order[: batches * global_batch]]
     return rows
+
+
+def test_a_fractional_limit_train_batches_cuts_each_epoch_once(dataset: Path, tmp_path: Path):
+    """limit_train_batches=0.25 trains on a quarter of each epoch's batches (15 of 60), not a quarter of a
+    quarter, and the next epoch starts with its own permutation."""
+    rows = fit_rows(dataset, tmp_path, batch_size=4, max_steps=20, limit=0.25)
+    assert len(stream_rows(dataset, 4, 1, limit=0.25)) == 15 * 4
+    assert rows == stream_rows(dataset, 4, 2, limit=0.25)[: 20 * 4]
 
 
 @pytest.mark.parametrize(

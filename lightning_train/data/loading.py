@@ -58,6 +58,8 @@ class GlobalOrderSampler(DistributedSampler):
     ``shuffle=False``), cut into ``batches_per_epoch`` global batches of ``batch_size x num_replicas``
     samples: all whole global batches, at most ``limit_batches`` (Lightning's ``limit_train_batches``: an int,
     or a fraction of the epoch). Rank ``r`` yields samples ``r, r + num_replicas, ...`` of each global batch.
+    ``len()`` is this rank's share, as Lightning counts it: with a fraction, that of every whole batch
+    (Lightning applies the fraction to ``len(loader)`` itself).
 
     ``state_dict()`` is the position after the last batch its ``ResumableLoader`` handed out (workers draw
     batches ahead; those do not count): the epoch and ``consumed``, the global samples of the epoch drawn or
@@ -84,7 +86,10 @@ class GlobalOrderSampler(DistributedSampler):
         self.batches_per_epoch = (
             int(whole * limit_batches) if isinstance(limit_batches, float) else min(whole, limit_batches)
         )
-        self.num_samples = self.batches_per_epoch * batch_size  # this rank's share: len(self)
+        # len(self): this rank's share. Lightning applies a fractional limit_train_batches to len(loader)
+        # itself, so the len of a fraction counts every whole batch, and Lightning's epoch ends at ours.
+        reported = whole if isinstance(limit_batches, float) else self.batches_per_epoch
+        self.num_samples = reported * batch_size
         self.epoch_samples = self.batches_per_epoch * self.global_batch  # where the epoch ends, globally
         self.consumed = 0  # global samples of this epoch drawn or skipped
         self.skip_into_next_epoch = 0  # global samples a skip past the epoch's end still has to pass over
@@ -251,10 +256,15 @@ class ResumableDataModule(L.LightningDataModule):
         sampler = GlobalOrderSampler(
             self.train_set, world_size, rank, self.seed, self.batch_size, limit_batches=limit_batches
         )
-        if sampler.batches_per_epoch == 0:
+        if len(self.train_set) < sampler.global_batch:
             raise UserInputError(
                 f"the train split has {self.describe_train_set()}, fewer than batch_size={self.batch_size} x "
                 f"{world_size} devices; lower one of them or add data"
+            )
+        if sampler.batches_per_epoch == 0:
+            raise UserInputError(
+                f"limit_train_batches={limit_batches} leaves no whole batch of the train split's "
+                f"{len(self.train_set) // sampler.global_batch}; raise it"
             )
         return ResumableLoader(
             self.train_set, batch_size=self.batch_size, sampler=sampler, collate_fn=self.collate(),
