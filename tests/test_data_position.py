@@ -147,13 +147,17 @@ def fit_rows(
     max_steps: int,
     num_workers: int = 0,
     ckpt_path: str | None = None,
-    limit: float = 1.0,
+    limit: int | float = 1.0,
+    every: int | None = None,
 ) -> list[tuple[int, ...]]:
+    """Rows trained on, in order; checkpoints every ``every`` steps (None: at max_steps) or, with 0, as
+    the CLI's ``save_last`` does: when the run stops, which Lightning records as the end of the epoch."""
     model = RowRecorder()
+    every = max_steps if every is None else every
     trainer = L.Trainer(
         accelerator="cpu", devices=1, max_steps=max_steps, limit_train_batches=limit, limit_val_batches=0,
         logger=False, enable_progress_bar=False, enable_model_summary=False, default_root_dir=root,
-        callbacks=[ModelCheckpoint(root, every_n_train_steps=max_steps, save_top_k=-1)],
+        callbacks=[ModelCheckpoint(root, every_n_train_steps=every, save_top_k=-1, save_last=True)],
     )  # fmt: skip
     data = TextDataModule(str(dataset), seq_len=16, batch_size=batch_size, num_workers=num_workers)
     trainer.fit(model, data, ckpt_path=ckpt_path)
@@ -198,3 +202,13 @@ def test_resume_at_another_global_batch_repeats_and_skips_nothing(
     expected = epoch0 + rest + epoch1
     assert len(rows) == first_steps * before + resumed_steps * after
     assert rows == expected[: len(rows)]
+
+
+def test_resume_from_the_checkpoint_written_when_max_steps_stopped_the_run(dataset: Path, tmp_path: Path):
+    """Lightning counts that checkpoint's epoch as complete; the data's epoch still goes on, so the resumed
+    run (fit to 10 steps, then on to 25, in epochs of 15 batches) trains on what one run of 25 steps does."""
+    straight = fit_rows(dataset, tmp_path / "a", 4, 25, limit=15, every=0)
+    rows = fit_rows(dataset, tmp_path / "b", 4, 10, limit=15, every=0)
+    rows += fit_rows(dataset, tmp_path / "c", 4, 25, limit=15, ckpt_path=str(tmp_path / "b" / "last.ckpt"))
+    assert straight == stream_rows(dataset, 4, 2, limit=0.25)[: 25 * 4]
+    assert rows == straight

@@ -96,6 +96,7 @@ class GlobalOrderSampler(DistributedSampler):
         self.pending_skips: list[list[int]] = []  # loaded [epoch, at, samples] skips not yet reached
         self.drawn: deque[dict[str, Any]] = deque()  # the position after each batch drawn, not handed out
         self.handed_out = self._position()  # the position after the last batch handed out
+        self.started = False  # drawn from, skipped or loaded: set_epoch no longer picks the epoch
         # Called with the epoch's batches done, counted at this global batch, when a position saved at
         # another global batch is loaded mid-epoch (see ResumableDataModule._recount_epoch_batches).
         self.on_global_batch_change: Callable[[int], None] | None = None
@@ -104,6 +105,7 @@ class GlobalOrderSampler(DistributedSampler):
         n = len(self.dataset)
         shuffled = self.shuffle
         order = np.random.default_rng((self.seed, self.epoch)).permutation(n) if shuffled else np.arange(n)
+        self.started = True
         self.drawn.clear()  # a new iterator: batches drawn for the last one are dropped
         self.handed_out = self._position()
         while True:  # reads the position before each batch, so a skip_batches in between jumps right there
@@ -135,25 +137,22 @@ class GlobalOrderSampler(DistributedSampler):
         """
         if num_batches < 0:
             raise ValueError(f"num_batches={num_batches} must be at least 0")
+        self.started = True
         skip = [self.epoch, self.consumed, num_batches * self.global_batch]
         for position in (self.handed_out, *self.drawn):  # drawn before the skip: it is still ahead of them
             position["pending_skips"].append(skip)
         self._advance(skip[2])
 
     def set_epoch(self, epoch: int) -> None:
-        if epoch == self.epoch:
-            return
-        if epoch == self.epoch + 1:  # skips of the old epoch not reached yet go on into this one
-            for _, at, samples in self.pending_skips:
-                self.consumed = max(self.consumed, at)
-                self._advance(samples)
-            carried = self.skip_into_next_epoch
-        else:
-            carried = 0
-        super().set_epoch(epoch)
-        self.pending_skips = []
-        self.consumed = min(carried, self.epoch_samples)  # a position belongs to its epoch only
-        self.skip_into_next_epoch = carried - self.consumed
+        """Lightning calls this as each of its epochs starts. Before the sampler is used it picks the epoch,
+        as ``DistributedSampler``'s does. Once used, the data's own epochs follow one another: an unfinished
+        one goes on, a finished one is followed by the next. (A Lightning epoch can end before the data's:
+        Lightning counts the epoch of a checkpoint written when ``max_steps`` stopped a run mid-epoch as
+        complete, so a run resumed from it goes on with the rest of the data's epoch first.)"""
+        if not self.started:
+            super().set_epoch(epoch)
+        elif epoch != self.epoch and self._epoch_finished():
+            self._next_epoch()
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -181,8 +180,9 @@ class GlobalOrderSampler(DistributedSampler):
         self.skip_into_next_epoch = state["skip_into_next_epoch"]
         self.pending_skips = [list(skip) for skip in state["pending_skips"]]
         self._apply_due_skips()
-        if self.consumed + self.global_batch > self.epoch_samples:  # no whole batch left: the next epoch
-            self.set_epoch(self.epoch + 1)
+        self.started = True
+        if self._epoch_finished():  # saved after the epoch's last whole batch
+            self._next_epoch()
         elif state["global_batch"] != self.global_batch and self.on_global_batch_change is not None:
             left = (self.epoch_samples - self.consumed) // self.global_batch
             self.on_global_batch_change(self.batches_per_epoch - left)
@@ -196,6 +196,19 @@ class GlobalOrderSampler(DistributedSampler):
             "pending_skips": [list(skip) for skip in self.pending_skips],
             "global_batch": self.global_batch,
         }
+
+    def _epoch_finished(self) -> bool:
+        return self.consumed + self.global_batch > self.epoch_samples
+
+    def _next_epoch(self) -> None:
+        for _, at, samples in self.pending_skips:  # skips not reached in this epoch go on into the next
+            self.consumed = max(self.consumed, at)
+            self._advance(samples)
+        carried = self.skip_into_next_epoch
+        super().set_epoch(self.epoch + 1)
+        self.pending_skips = []
+        self.consumed = min(carried, self.epoch_samples)
+        self.skip_into_next_epoch = carried - self.consumed
 
     def _advance(self, samples: int) -> None:
         within_epoch = min(samples, max(self.epoch_samples - self.consumed, 0))
