@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import lightning as L
@@ -12,6 +14,9 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_train.data import SFTDataModule, TextDataModule, prepare
+from lightning_train.errors import UserInputError
+from tests.conftest import REPO, cli_env
+from tests.helpers.sample_log import row_digest
 from tests.test_data import sentences
 
 
@@ -212,3 +217,66 @@ def test_resume_from_the_checkpoint_written_when_max_steps_stopped_the_run(datas
     rows += fit_rows(dataset, tmp_path / "c", 4, 25, limit=15, ckpt_path=str(tmp_path / "b" / "last.ckpt"))
     assert straight == stream_rows(dataset, 4, 2, limit=0.25)[: 25 * 4]
     assert rows == straight
+
+
+def test_a_position_in_another_order_is_refused(dataset: Path):
+    loader = text_loader(dataset)
+    next(iter(loader))
+    state = loader.state_dict()
+    other_seq_len = TextDataModule(str(dataset), seq_len=32, batch_size=4).train_loader()
+    with pytest.raises(
+        UserInputError,
+        match=r"order of 240 samples with seed=1234; this run's data has 120 "
+        r"samples with seed=1234 .*seq_len.*Resume with the data, seq_len and seed",
+    ):
+        other_seq_len.load_state_dict(state)
+    with pytest.raises(UserInputError, match="seed=1234; this run's data has 240 samples with seed=7"):
+        text_loader(dataset, seed=7).load_state_dict(state)
+
+
+@pytest.mark.slow
+def test_cli_resumes_across_device_counts_and_strategies(tmp_path: Path):
+    """fsdp on 2 devices (6 steps, mid-epoch 0) -> ddp on 1 device with a worker (to step 20: the rest of
+    epoch 0, into epoch 1) -> ddp on 2 devices (to step 24), each from the last one's last.ckpt. The rows all
+    ranks train on, step by step, are the documented global order: nothing repeated, nothing skipped."""
+    src = tmp_path / "src.jsonl"
+    src.write_text("".join(json.dumps({"text": d}) + "\n" for d in sentences(120)))
+    data = prepare([str(src)], tmp_path / "data", val_fraction=0.1, num_workers=0)
+    log = tmp_path / "log"
+    common = [
+        sys.executable, "-m", "lightning_train", "fit", "--config", str(REPO / "configs/pretrain-tiny.yaml"),
+        "--trainer.accelerator=cpu", f"--data.init_args.data_dir={data}", "--data.init_args.seq_len=32",
+        "--data.init_args.batch_size=4", "--trainer.limit_val_batches=0",
+        "--trainer.limit_train_batches=0.25",
+        "--trainer.callbacks+=tests.helpers.sample_log.SampleLog", f"--trainer.callbacks.folder={log}",
+    ]  # fmt: skip
+    launches = [
+        ("lt_fsdp", 2, 0, 6, None),
+        ("lt_ddp", 1, 1, 20, tmp_path / "run0/checkpoints/last.ckpt"),
+        ("lt_ddp", 2, 0, 24, tmp_path / "run1/checkpoints/last.ckpt"),
+    ]
+    for i, (strategy, devices, workers, max_steps, ckpt) in enumerate(launches):
+        args = [f"--trainer.default_root_dir={tmp_path / f'run{i}'}", f"--trainer.strategy={strategy}",
+                f"--trainer.devices={devices}", f"--data.init_args.num_workers={workers}",
+                f"--trainer.max_steps={max_steps}"] + ([f"--ckpt_path={ckpt}"] if ckpt else [])  # fmt: skip
+        proc = subprocess.run(common + args, env=cli_env(), cwd=REPO, capture_output=True, text=True,
+                              timeout=300)  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-3000:]
+
+    by_step: dict[int, list[list[str]]] = {}
+    for rank in (0, 1):
+        for line in (log / f"samples-rank{rank}.txt").read_text().splitlines():
+            step, digest = line.split()
+            rows = by_step.setdefault(int(step), [[], []])[rank]
+            rows.append(digest)
+    trained = []
+    for step in sorted(by_step):  # rank r holds samples r, r + world_size, ... of each global batch
+        rank0, rank1 = by_step[step]
+        trained += [d for pair in zip(rank0, rank1, strict=True) for d in pair] if rank1 else rank0
+    windows = TextDataModule(str(data), seq_len=32).train_loader().sampler.dataset
+    orders = [np.random.default_rng((1234, epoch)).permutation(len(windows)) for epoch in (0, 1)]
+    # epoch 0: 48 samples at 8 a step, then 44 at 4 (a quarter of the 93 whole batches of 4: 23 batches);
+    # epoch 1: 12 samples at 4 a step, then 32 at 8
+    expected = [row_digest(windows[int(i)]["input_ids"]) for i in [*orders[0][:92], *orders[1][:44]]]
+    assert sorted(by_step) == list(range(1, 25))
+    assert trained == expected
