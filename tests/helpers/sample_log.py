@@ -23,8 +23,14 @@ class SampleLog(L.Callback):
     def __init__(self, folder: str) -> None:
         self.folder = Path(folder)
 
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any,
-                           batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+    def on_train_batch_end(
+        self,
+        trainer: L.Trainer,
+        pl_module: L.LightningModule,
+        outputs: Any,
+        batch: dict[str, torch.Tensor],
+        batch_idx: int,
+    ) -> None:
         lines = "".join(f"{trainer.global_step} {row_digest(row)}\n" for row in batch["input_ids"])
         self.folder.mkdir(parents=True, exist_ok=True)
         with (self.folder / f"samples-rank{trainer.global_rank}.txt").open("a") as f:
