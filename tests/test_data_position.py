@@ -280,3 +280,56 @@ def test_cli_resumes_across_device_counts_and_strategies(tmp_path: Path):
     expected = [row_digest(windows[int(i)]["input_ids"]) for i in [*orders[0][:92], *orders[1][:44]]]
     assert sorted(by_step) == list(range(1, 25))
     assert trained == expected
+
+
+def sft_module(path: Path, batch_size: int = 2) -> SFTDataModule:
+    data = SFTDataModule(str(path), str(path), tokenizer="byte", batch_size=batch_size, seq_len=32)
+    data.setup()
+    return data
+
+
+@pytest.mark.parametrize("kind", ["text", "sft"])
+def test_the_position_moves_between_world_sizes(dataset: Path, tmp_path: Path, kind: str):
+    """2 ranks -> 1 -> 2, by loader states as Lightning saves them (rank zero's): the rows of every step,
+    rank 0's and rank 1's interleaved, are the one global order, each once."""
+    if kind == "text":
+        module = TextDataModule(str(dataset), seq_len=16, batch_size=2)
+        windows = module.train_loader().sampler.dataset
+
+        def key(row: torch.Tensor) -> tuple[int, ...]:
+            return tuple(row.tolist())
+
+        def item_key(index: int) -> tuple[int, ...]:
+            return key(windows[index]["input_ids"])
+    else:
+        path = tmp_path / "train.jsonl"
+        path.write_text(
+            "".join(json.dumps({"prompt": f"p{i} ", "response": f"r{i}"}) + "\n" for i in range(90))
+        )
+        module = sft_module(path)
+
+        def key(row: torch.Tensor) -> str:
+            return bytes(t for t in row.tolist() if t < 256).decode().split(" ")[0]
+
+        def item_key(index: int) -> str:
+            return key(torch.tensor(module.train_set[index]["input_ids"]))
+
+    def steps(loaders, n: int) -> list:
+        iterators = [iter(loader) for loader in loaders]
+        rows = []
+        for _ in range(n):
+            batches = [next(iterator)["input_ids"] for iterator in iterators]
+            rows += [key(row) for step_rows in zip(*batches, strict=True) for row in step_rows]
+        return rows
+
+    two = [module.train_loader(rank, 2) for rank in (0, 1)]
+    trained = steps(two, 3)
+    one = module.train_loader(0, 1)
+    one.load_state_dict(two[0].state_dict())
+    trained += steps([one], 5)
+    again = [module.train_loader(rank, 2) for rank in (0, 1)]
+    for loader in again:
+        loader.load_state_dict(one.state_dict())
+    trained += steps(again, 2)
+    order = list(module.train_loader().sampler)
+    assert trained == [item_key(i) for i in order[: 3 * 4 + 5 * 2 + 2 * 4]]

@@ -8,23 +8,30 @@ global samples of the epoch consumed so far, so it means the same thing at any w
 
 - Same world size and batch size: the resumed run loads the very batches the uninterrupted run would
   (with one rank this is ``DistributedSampler``'s order exactly).
-- Another world size or per-device batch size (2 devices -> 1, ddp <-> fsdp, a lost node): the resumed run
-  continues with the first global sample not yet consumed, cut into batches of the new global size. No
-  sample of the epoch is repeated or skipped; only the last, incomplete global batch of an epoch is
-  dropped, as always. Steps then hold another number of samples; the LR schedule still counts steps.
-- Another dataset, ``seq_len`` or ``seed``: the position means nothing in the new order and is refused.
+- Another global batch (2 devices -> 1 or 1 -> 2, ddp <-> fsdp, a lost node, another per-device
+  ``batch_size``): the resumed run continues with the first global sample not yet consumed, cut into
+  batches of the new global size. No sample of the epoch is repeated or skipped; only the last incomplete
+  global batch of an epoch is dropped, as always. A step then holds another number of samples; the LR
+  schedule and ``max_steps`` still count optimizer steps, so scale them yourself if that matters.
+- Another dataset, ``seq_len`` or ``seed``: the position means nothing in the new order and is refused
+  with one ``UserInputError`` naming both.
 
-Sharding and resume under Lightning:
+Resume under Lightning:
 
 - The samplers subclass ``DistributedSampler``, so Lightning leaves them alone (``use_distributed_sampler``
-  only replaces plain samplers). They shard by the strategy's data-parallel rank themselves, and Lightning
-  still calls ``set_epoch`` on them at the start of every epoch.
-- The train loader is a ``ResumableLoader``. Lightning's fit loop puts its ``state_dict()`` (rank zero's;
-  being global, it is every rank's) into every checkpoint (``loops.fit_loop.state_dict.combined_loader``)
-  and, on resume, loads it right before creating the iterator. With workers, that iterator prefetches
-  indices before Lightning calls ``set_epoch``, so the epoch travels in the sampler's state, and a position
-  saved after an epoch's last batch resumes at the next epoch. For that the sampler's epoch ends exactly
-  where Lightning's does (``limit_train_batches``: an int counts global batches, a fraction the epoch).
+  only replaces plain samplers). They shard by the strategy's data-parallel rank themselves.
+- The train loader is a ``ResumableLoader``: its ``state_dict()`` is the position after the last batch it
+  handed out, not after those its workers drew ahead, so it does not depend on ``num_workers`` either.
+  Lightning's fit loop saves rank zero's (being global, it is every rank's) in every checkpoint
+  (``loops.fit_loop.state_dict.combined_loader``) and loads it on resume before the first batch.
+- The sampler's epoch ends exactly where Lightning's does (``limit_train_batches``: an int counts global
+  batches, a fraction takes that share of the epoch's), so a position saved after an epoch's last batch
+  resumes at the next epoch. Lightning counts the epoch's batches itself; after a change of the global
+  batch its count is restated in batches of the new size, so the epoch still ends where the data does.
+- ``set_epoch`` picks the epoch of a fresh sampler; once in use, the data's epochs follow one another
+  (see ``GlobalOrderSampler.set_epoch``).
+- ``train_loader.sampler.skip_batches(n)`` passes over the next ``n`` global batches without loading them
+  (NaN recovery uses it); the saved position counts them.
 - Each loader has its own seeded ``torch.Generator``: creating an iterator draws a worker seed from it, and
   drawing from the global RNG instead would shift the model's dropout stream between a run and its resume.
 """
