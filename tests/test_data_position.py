@@ -333,3 +333,21 @@ def test_the_position_moves_between_world_sizes(dataset: Path, tmp_path: Path, k
     trained += steps(again, 2)
     order = list(module.train_loader().sampler)
     assert trained == [item_key(i) for i in order[: 3 * 4 + 5 * 2 + 2 * 4]]
+
+
+def test_every_validation_starts_from_the_beginning(dataset: Path):
+    """Lightning stops a validation after limit_val_batches; the next one reads the same batches again."""
+    loader = TextDataModule(str(dataset), seq_len=16, batch_size=4, val_batches=None).val_loader()
+    first = take(iter(loader), 2)
+    assert same(take(iter(loader), 2), first)
+
+
+def test_an_iterator_dropped_early_leaves_no_batch_out(dataset: Path):
+    """Workers draw batches ahead; when Lightning drops the iterator early (on_train_batch_start returned
+    -1), the batches drawn but not handed out come next, not the ones after them."""
+    reference = take(iter(text_loader(dataset)), 8)
+    loader = text_loader(dataset, num_workers=1)
+    got = take(iter(loader), 2)
+    loader.sampler.set_epoch(1)  # Lightning's next epoch; the data's epoch 0 goes on
+    got += take(iter(loader), 3)
+    assert same(got, reference[:5])

@@ -1,10 +1,10 @@
 """The loaders that ``TextDataModule`` and ``SFTDataModule`` share, and their world-size-independent position.
 
-One global sample order per epoch (a permutation seeded by ``(seed, epoch)``, or the plain order for
-validation) is cut into global batches of ``batch_size x data-parallel ranks`` samples; rank ``r`` takes
-every ``world_size``-th sample of each global batch, starting at ``r``. The data position is the number of
-global samples of the epoch consumed so far, so it means the same thing at any world size (as Megatron's
-``consumed_samples`` and OLMo's global step do):
+One global sample order per epoch (a permutation seeded by ``(seed, epoch)``) is cut into global batches
+of ``batch_size x data-parallel ranks`` samples; rank ``r`` takes every ``world_size``-th sample of each
+global batch, starting at ``r``. The data position is the number of global samples of the epoch consumed
+so far, so it means the same thing at any world size (as Megatron's ``consumed_samples`` and OLMo's
+global step do). Validation reads a plain shard of the val set, the same at every validation.
 
 - Same world size and batch size: the resumed run loads the very batches the uninterrupted run would
   (with one rank this is ``DistributedSampler``'s order exactly).
@@ -61,17 +61,17 @@ def check_at_least(*checks: tuple[str, int, int]) -> None:
 class GlobalOrderSampler(DistributedSampler):
     """This rank's share of one global sample order, resumable at any world size.
 
-    Epoch ``e`` is the permutation of the dataset seeded by ``(seed, e)`` (the plain order when
-    ``shuffle=False``), cut into ``batches_per_epoch`` global batches of ``batch_size x num_replicas``
-    samples: all whole global batches, at most ``limit_batches`` (Lightning's ``limit_train_batches``: an int,
-    or a fraction of the epoch). Rank ``r`` yields samples ``r, r + num_replicas, ...`` of each global batch.
+    Epoch ``e`` is the permutation of the dataset seeded by ``(seed, e)``, cut into ``batches_per_epoch``
+    global batches of ``batch_size x num_replicas`` samples: all whole global batches, at most
+    ``limit_batches`` (Lightning's ``limit_train_batches``: an int, or a fraction of the epoch). Rank ``r``
+    yields samples ``r, r + num_replicas, ...`` of each global batch.
     ``len()`` is this rank's share, as Lightning counts it: with a fraction, that of every whole batch
     (Lightning applies the fraction to ``len(loader)`` itself).
 
     ``state_dict()`` is the position after the last batch its ``ResumableLoader`` handed out (workers draw
     batches ahead; those do not count): the epoch and ``consumed``, the global samples of the epoch drawn or
     skipped, the skips asked for after that batch was drawn, and what the position is only valid for
-    (dataset size, seed, order).
+    (dataset size and seed).
     """
 
     def __init__(
@@ -81,12 +81,9 @@ class GlobalOrderSampler(DistributedSampler):
         rank: int,
         seed: int,
         batch_size: int = 1,
-        shuffle: bool = True,
         limit_batches: int | float = 1.0,
     ) -> None:
-        super().__init__(
-            dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed, drop_last=True
-        )
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank, seed=seed, drop_last=True)
         self.batch_size = batch_size
         self.global_batch = batch_size * num_replicas
         whole = len(dataset) // self.global_batch
@@ -109,11 +106,11 @@ class GlobalOrderSampler(DistributedSampler):
         self.on_global_batch_change: Callable[[int], None] | None = None
 
     def __iter__(self) -> Iterator[int]:
-        n = len(self.dataset)
-        shuffled = self.shuffle
-        order = np.random.default_rng((self.seed, self.epoch)).permutation(n) if shuffled else np.arange(n)
+        order = np.random.default_rng((self.seed, self.epoch)).permutation(len(self.dataset))
         self.started = True
-        self.drawn.clear()  # a new iterator: batches drawn for the last one are dropped
+        self._draw_undelivered_again()
+        if self._epoch_finished():  # iterated again without set_epoch: the next epoch
+            self._next_epoch()
         self.handed_out = self._position()
         while True:  # reads the position before each batch, so a skip_batches in between jumps right there
             self._apply_due_skips()
@@ -158,7 +155,9 @@ class GlobalOrderSampler(DistributedSampler):
         complete, so a run resumed from it goes on with the rest of the data's epoch first.)"""
         if not self.started:
             super().set_epoch(epoch)
-        elif epoch != self.epoch and self._epoch_finished():
+            return
+        self._draw_undelivered_again()
+        if epoch != self.epoch and self._epoch_finished():
             self._next_epoch()
 
     def state_dict(self) -> dict[str, Any]:
@@ -166,7 +165,6 @@ class GlobalOrderSampler(DistributedSampler):
             **copy.deepcopy(self.handed_out),
             "dataset_size": len(self.dataset),
             "seed": self.seed,
-            "shuffle": self.shuffle,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -175,17 +173,14 @@ class GlobalOrderSampler(DistributedSampler):
                 "the checkpoint's data position was saved by an older lightning_train (per rank, not "
                 "global); resume it with the version that wrote it, or start a new run from its weights"
             )
-        saved = (state["dataset_size"], state["seed"], state["shuffle"])
-        if saved != (len(self.dataset), self.seed, self.shuffle):
+        if (state["dataset_size"], state["seed"]) != (len(self.dataset), self.seed):
             raise UserInputError(
                 f"the checkpoint's data position is in the order of {state['dataset_size']} samples with "
                 f"seed={state['seed']}; this run's data has {len(self.dataset)} samples with seed={self.seed}"
                 " (another dataset, seq_len or seed). Resume with the data, seq_len and seed the checkpoint "
                 "was saved with, or start a new run from its weights"
             )
-        self.epoch, self.consumed = state["epoch"], state["consumed"]
-        self.skip_into_next_epoch = state["skip_into_next_epoch"]
-        self.pending_skips = [list(skip) for skip in state["pending_skips"]]
+        self._restore(state)
         self._apply_due_skips()
         self.started = True
         if self._epoch_finished():  # saved after the epoch's last whole batch
@@ -203,6 +198,18 @@ class GlobalOrderSampler(DistributedSampler):
             "pending_skips": [list(skip) for skip in self.pending_skips],
             "global_batch": self.global_batch,
         }
+
+    def _restore(self, position: dict[str, Any]) -> None:
+        self.epoch, self.consumed = position["epoch"], position["consumed"]
+        self.skip_into_next_epoch = position["skip_into_next_epoch"]
+        self.pending_skips = [list(skip) for skip in position["pending_skips"]]
+        self.drawn.clear()
+
+    def _draw_undelivered_again(self) -> None:
+        """An iterator dropped with batches drawn but not handed out (its epoch ended early): the position
+        goes back to the last batch handed out, so those batches come again rather than being lost."""
+        if self.drawn:
+            self._restore(self.handed_out)
 
     def _epoch_finished(self) -> bool:
         return self.consumed + self.global_batch > self.epoch_samples
@@ -294,7 +301,8 @@ class ResumableDataModule(L.LightningDataModule):
     def val_loader(self, rank: int = 0, world_size: int = 1) -> DataLoader:
         self.setup()
         assert self.val_set is not None
-        sampler = GlobalOrderSampler(self.val_set, world_size, rank, self.seed, shuffle=False)
+        # Every validation starts from the beginning: a plain shard, whole and in order.
+        sampler = DistributedSampler(self.val_set, world_size, rank, shuffle=False, drop_last=True)
         return DataLoader(
             self.val_set, batch_size=self.batch_size, sampler=sampler, collate_fn=self.collate(),
             **self._worker_kwargs(),
