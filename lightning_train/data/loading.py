@@ -82,8 +82,10 @@ class GlobalOrderSampler(DistributedSampler):
         seed: int,
         batch_size: int = 1,
         limit_batches: int | float = 1.0,
+        description: str | None = None,
     ) -> None:
         super().__init__(dataset, num_replicas=num_replicas, rank=rank, seed=seed, drop_last=True)
+        self.description = description or f"{len(dataset)} samples"  # names the data in errors
         self.batch_size = batch_size
         self.global_batch = batch_size * num_replicas
         whole = len(dataset) // self.global_batch
@@ -165,6 +167,7 @@ class GlobalOrderSampler(DistributedSampler):
             **copy.deepcopy(self.handed_out),
             "dataset_size": len(self.dataset),
             "seed": self.seed,
+            "data": self.description,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -175,10 +178,10 @@ class GlobalOrderSampler(DistributedSampler):
             )
         if (state["dataset_size"], state["seed"]) != (len(self.dataset), self.seed):
             raise UserInputError(
-                f"the checkpoint's data position is in the order of {state['dataset_size']} samples with "
-                f"seed={state['seed']}; this run's data has {len(self.dataset)} samples with seed={self.seed}"
-                " (another dataset, seq_len or seed). Resume with the data, seq_len and seed the checkpoint "
-                "was saved with, or start a new run from its weights"
+                f"the checkpoint's data position is in the order of {state['data']} with "
+                f"seed={state['seed']}; this run's train split has {self.description} with seed={self.seed}. "
+                "Resume with the data, seq_len and seed the checkpoint was saved with, or start a new run "
+                "from its weights"
             )
         self._restore(state)
         self._apply_due_skips()
@@ -281,7 +284,13 @@ class ResumableDataModule(L.LightningDataModule):
         self.setup()
         assert self.train_set is not None
         sampler = GlobalOrderSampler(
-            self.train_set, world_size, rank, self.seed, self.batch_size, limit_batches=limit_batches
+            self.train_set,
+            world_size,
+            rank,
+            self.seed,
+            self.batch_size,
+            limit_batches,
+            self.describe_train_set(),
         )
         if len(self.train_set) < sampler.global_batch:
             raise UserInputError(
