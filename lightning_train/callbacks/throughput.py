@@ -27,7 +27,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
 
-from lightning_train.callbacks.grad_norm import log_metrics
+from lightning_train.callbacks._common import log_metrics
 from lightning_train.errors import UserInputError
 
 # Dense (no sparsity) peak FLOP/s per device from the vendors' datasheets, by compute dtype; "tf32" is

@@ -1,0 +1,41 @@
+"""Advancing the training data past a window of batches without computing them (``NaNRecovery``'s
+rollback, PaLM §5.1): no ``training_step``, no forward, backward or optimizer step, no ``global_step``.
+
+Two ways, the first that applies:
+
+1. The train sampler can jump (``sampler.skip_batches(n)``: ``TextDataModule`` and ``SFTDataModule``):
+   the skipped batches are not even loaded. Batches already loaded ahead of the loop (Lightning's
+   prefetched batch, the DataLoader workers' prefetch) are trained on; the jump follows them.
+2. Any other DataLoader: the batches are drawn from the fit loop's iterator and dropped (loaded, never
+   moved to the device nor trained on), exactly the next ``n``.
+"""
+
+from __future__ import annotations
+
+import lightning as L
+
+
+def skip_train_batches(trainer: L.Trainer, num_batches: int) -> int:
+    """Pass over the next ``num_batches`` training batches without computing them; returns how many
+    were passed over (fewer when the epoch's data ends first). Every rank skips its own batches."""
+    if num_batches <= 0:
+        return 0
+    sampler = getattr(trainer.train_dataloader, "sampler", None)
+    if callable(getattr(sampler, "skip_batches", None)):
+        return sampler.skip_batches(num_batches)
+    return _draw_and_drop_batches(trainer, num_batches)
+
+
+def _draw_and_drop_batches(trainer: L.Trainer, num_batches: int) -> int:
+    """The fallback for any DataLoader. Lightning's loop has no public way to pass over a batch, so this
+    draws from its private data fetcher (``trainer.fit_loop._data_fetcher``, Lightning 2.5/2.6): the loop
+    never sees the batches, and a StatefulDataLoader's saved position counts them as consumed."""
+    fetcher = trainer.fit_loop._data_fetcher
+    for dropped in range(num_batches):
+        if fetcher is None or fetcher.done:
+            return dropped
+        try:
+            next(fetcher)
+        except StopIteration:  # the epoch's data ended; Lightning's loop ends the epoch on its next fetch
+            return dropped
+    return num_batches
