@@ -14,8 +14,9 @@ where each assistant turn's content and eos are the response (trained), everythi
 Batches are padded on the right to the longest example with the tokenizer's pad id (labels -100).
 Right padding needs no attention mask: a causal model never attends to later positions. Packing
 several examples into one row is not offered, since our GPT has no document mask to keep packed
-examples from attending to each other. The train loader is a ``StatefulDataLoader`` with the same
-resumable sampler as ``TextDataModule``, so a resumed run continues with the next unseen example.
+examples from attending to each other. The loaders are ``TextDataModule``'s (``data/loading.py``): a
+resumed run continues with the next unseen example, at any device count, and
+``train_loader.sampler.skip_batches(n)`` jumps over examples without loading them.
 
     >>> data = SFTDataModule("train.jsonl", "val.jsonl", tokenizer="byte", seq_len=256)  # doctest: +SKIP
 """
@@ -24,16 +25,13 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
 
-import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
-from torch.utils.data import DataLoader, Dataset
-from torchdata.stateful_dataloader import StatefulDataLoader
+from torch.utils.data import Dataset
 
+from lightning_train.data.loading import ResumableDataModule, check_at_least
 from lightning_train.data.tasks import default_task_dir
-from lightning_train.data.text import WindowSampler
 from lightning_train.data.tokenizers import Tokenizer, load_tokenizer
 from lightning_train.errors import UserInputError
 
@@ -160,7 +158,7 @@ class PadCollate:
         return {"input_ids": input_ids, "labels": labels}
 
 
-class SFTDataModule(L.LightningDataModule):
+class SFTDataModule(ResumableDataModule):
     """Prompt/response or chat JSONL for fine-tuning (see the module docstring for the format).
 
     Args:
@@ -191,10 +189,10 @@ class SFTDataModule(L.LightningDataModule):
         super().__init__()
         if not 0 < val_fraction < 1:
             raise UserInputError(f"val_fraction={val_fraction} must be between 0 and 1")
-        for name, value, least in (("seq_len", seq_len, 1), ("batch_size", batch_size, 1),
-                                   ("eval_prompts", eval_prompts, 0), ("num_workers", num_workers, 0)):
-            if value < least:
-                raise UserInputError(f"{name}={value} must be at least {least}")
+        check_at_least(
+            ("seq_len", seq_len, 1), ("batch_size", batch_size, 1),
+            ("eval_prompts", eval_prompts, 0), ("num_workers", num_workers, 0),
+        )  # fmt: skip
         self.save_hyperparameters()
         self.seq_len, self.batch_size, self.seed, self.num_workers = seq_len, batch_size, seed, num_workers
         self.tokenizer: Tokenizer | None = None
@@ -243,31 +241,5 @@ class SFTDataModule(L.LightningDataModule):
         module = self.trainer.lightning_module if self.trainer is not None else None
         return getattr(module, "tokenizer_spec", None) or "byte"
 
-    def train_dataloader(self) -> StatefulDataLoader:
-        rank, world_size = self._data_parallel_rank()
-        sampler = WindowSampler(self.train_set, world_size, rank, self.seed)
-        loader = StatefulDataLoader(
-            self.train_set, batch_size=self.batch_size, sampler=sampler, drop_last=True,
-            collate_fn=PadCollate(self.tokenizer.pad_id), **self._worker_kwargs(),
-        )
-        if len(loader) == 0:
-            raise UserInputError(
-                f"{len(self.train_set)} training examples are fewer than batch_size={self.batch_size} x "
-                f"{world_size} devices; lower batch_size or add examples"
-            )
-        return loader
-
-    def val_dataloader(self) -> DataLoader:
-        rank, world_size = self._data_parallel_rank()
-        sampler = WindowSampler(self.val_set, world_size, rank, self.seed, shuffle=False)
-        return DataLoader(
-            self.val_set, batch_size=self.batch_size, sampler=sampler,
-            collate_fn=PadCollate(self.tokenizer.pad_id), **self._worker_kwargs(),
-        )
-
-    def _worker_kwargs(self) -> dict[str, Any]:
-        return {"num_workers": self.num_workers, "persistent_workers": self.num_workers > 0}
-
-    def _data_parallel_rank(self) -> tuple[int, int]:
-        kwargs = self.trainer.distributed_sampler_kwargs if self.trainer is not None else None
-        return (kwargs["rank"], kwargs["num_replicas"]) if kwargs else (0, 1)
+    def collate(self) -> PadCollate:
+        return PadCollate(self.tokenizer.pad_id)
