@@ -13,7 +13,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.plugins.precision import MixedPrecision
 
-from lightning_train import GPTConfig, PretrainModule, UserInputError
+from lightning_train import GPTConfig, PretrainModule, TextDataModule, UserInputError
 from lightning_train.alerts import read_alerts
 from lightning_train.callbacks import GradNormMonitor, LossScaleMonitor, NaNRecovery, TrainingAborted
 from lightning_train.plugins import AmpPrecision
@@ -52,7 +52,7 @@ class Recorder(Callback):
 
 
 def fit(tmp_path, callbacks, max_steps=10, plugins=None, precision="32-true", ckpt_path=None,
-        module_class=PretrainModule, **kwargs):
+        module_class=PretrainModule, config=TINY, data=None, **kwargs):
     torch.manual_seed(0)
     trainer = L.Trainer(
         default_root_dir=tmp_path, max_steps=max_steps, accelerator="cpu", log_every_n_steps=5,
@@ -60,9 +60,10 @@ def fit(tmp_path, callbacks, max_steps=10, plugins=None, precision="32-true", ck
         enable_checkpointing=False, callbacks=callbacks, plugins=plugins or [],
         precision=None if plugins else precision, **kwargs,
     )
-    module = module_class(TINY, warmup_steps=4, decay_steps=400)
+    module = module_class(config, warmup_steps=4, decay_steps=400)
     # PretrainModule's hyper-parameters hold a GPTConfig, which weights_only loading refuses.
-    trainer.fit(module, PatternDataModule(batch_size=4), ckpt_path=ckpt_path, weights_only=False)
+    data = data or PatternDataModule(batch_size=4)
+    trainer.fit(module, data, ckpt_path=ckpt_path, weights_only=False)
     return trainer, module
 
 
@@ -151,6 +152,26 @@ class SGDModule(PretrainModule):
         optimizer = torch.optim.SGD(self.parameters(), lr=0.1)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1 / (1 + step))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def test_a_sampler_that_can_jump_passes_over_the_same_batches(tmp_path):
+    """TextDataModule's sampler jumps (``skip_batches``, which loads nothing) instead of the draw-and-drop
+    fallback: the next batches are passed over all the same, and its position counts them."""
+    def text_data() -> TextDataModule:
+        return TextDataModule(seq_len=16, batch_size=4, val_batches=1)  # the built-in corpus
+
+    recovery = NaNRecovery(snapshot_every=4, max_consecutive_skips=2, skip_batches=3)
+    fault = InjectFault("nan_loss", steps=[6, 7])
+    data = text_data()
+    trainer, _ = fit(tmp_path, [recovery, fault], max_steps=12, data=data,
+                     config=GPTConfig(vocab_size=258, block_size=16, n_layer=1, n_head=2, n_embd=16))
+    reference = text_data()
+    reference.setup("fit")
+    loader = iter(reference.train_loader())
+    batches = [next(loader)["input_ids"] for _ in range(15)]
+    assert recovery.skipped_data == [[8, 3]]
+    assert same_batches(fault.trained_batches, batches[:8] + batches[11:15])
+    assert trainer.train_dataloader.sampler.state_dict()["consumed"] == 15 * 4  # skipped ones counted
 
 
 class LRProbe(Callback):

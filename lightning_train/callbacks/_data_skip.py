@@ -4,10 +4,11 @@ rollback, PaLM §5.1): no ``training_step``, no forward, backward or optimizer s
 Two ways, the first that applies:
 
 1. The train sampler can jump (``sampler.skip_batches(n)``: ``TextDataModule`` and ``SFTDataModule``):
-   the skipped batches are not even loaded. Batches already loaded ahead of the loop (Lightning's
-   prefetched batch, the DataLoader workers' prefetch) are trained on; the jump follows them.
-2. Any other DataLoader: the batches are drawn from the fit loop's iterator and dropped (loaded, never
-   moved to the device nor trained on), exactly the next ``n``.
+   the skipped batches are not even loaded, and a skip past the epoch's end goes on into the next epoch.
+   With ``num_workers=0`` the skip starts at the very next batch; with workers, the batches they already
+   loaded ahead (``prefetch_factor x num_workers``) are trained on first.
+2. Any other DataLoader: exactly the next ``n`` batches are drawn from the fit loop's iterator and dropped
+   (loaded, never moved to the device nor trained on), up to the end of the epoch.
 """
 
 from __future__ import annotations
@@ -17,12 +18,14 @@ import lightning as L
 
 def skip_train_batches(trainer: L.Trainer, num_batches: int) -> int:
     """Pass over the next ``num_batches`` training batches without computing them; returns how many
-    were passed over (fewer when the epoch's data ends first). Every rank skips its own batches."""
+    were passed over (with the fallback, fewer when the epoch ends first). Call it on every rank with the
+    same ``num_batches``: each skips its own part of the global batches."""
     if num_batches <= 0:
         return 0
     sampler = getattr(trainer.train_dataloader, "sampler", None)
     if callable(getattr(sampler, "skip_batches", None)):
-        return sampler.skip_batches(num_batches)
+        sampler.skip_batches(num_batches)  # a skip past the epoch's end carries into the next one
+        return num_batches
     return _draw_and_drop_batches(trainer, num_batches)
 
 
