@@ -4,7 +4,9 @@ together, and the ladder's state survives a resume."""
 
 from __future__ import annotations
 
+import csv
 import json
+import math
 
 import lightning as L
 import pytest
@@ -94,6 +96,19 @@ def test_inf_gradient_in_one_layer_is_skipped(tmp_path):
     assert recorder.unchanged(4, 5)
     assert recovery.skipped_steps == 1
     assert "non-finite gradient norm" in recovery.state_dict()["bad_steps"][0]["reason"]
+
+
+@pytest.mark.parametrize("monitor_first", [True, False], ids=["monitor-first", "recovery-first"])
+def test_a_skipped_step_logs_its_own_grad_norm_in_either_callback_order(tmp_path, monitor_first):
+    monitor, recovery = GradNormMonitor(log_every_n_steps=1), NaNRecovery()
+    fault = InjectFault("inf_grad", steps=[3], param="blocks.0.attn.qkv")
+    fit(tmp_path, [monitor, recovery, fault] if monitor_first else [recovery, monitor, fault], max_steps=5)
+    with open(tmp_path / "version_0" / "metrics.csv") as f:
+        logged = {int(row["step"]): float(row["health/grad_norm"]) for row in csv.DictReader(f)
+                  if row.get("health/grad_norm")}
+    assert sorted(logged) == [0, 1, 2, 3, 4] and recovery.skipped_steps == 1
+    assert logged[3] == math.inf  # the skipped step's norm, measured once before the skip
+    assert all(0 < logged[step] < math.inf for step in (0, 1, 2, 4))
 
 
 def test_scaler_overflow_is_left_to_the_scaler_and_counted_once(tmp_path):
