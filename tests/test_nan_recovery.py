@@ -169,6 +169,18 @@ class SGDModule(PretrainModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
+def test_with_gradient_accumulation_exactly_skip_batches_batches_are_passed_over(tmp_path):
+    recovery = NaNRecovery(snapshot_every=2, max_consecutive_skips=2, skip_batches=3)
+    fault = InjectFault("nan_loss", steps=[3, 4])
+    trainer, _ = fit(tmp_path, [recovery, fault], max_steps=7, accumulate_grad_batches=2)
+    # 2 batches a step: steps 0-4 took batches 0-9, the rollback after step 4 passed over 10-12, and
+    # steps 5 and 6 accumulate batches 13+14 and 15+16 (the accumulation window starts afresh)
+    batches = loader_batches(17)
+    assert same_batches(fault.trained_batches, batches[:10] + batches[13:17])
+    assert [step for step, _ in fault.trained_batches][10:] == [5, 5, 6, 6]
+    assert recovery.skipped_data == [[5, 3]] and trainer.global_step == 7
+
+
 def test_a_sampler_that_can_jump_passes_over_the_same_batches(tmp_path):
     """TextDataModule's sampler jumps (``skip_batches``, which loads nothing) instead of the draw-and-drop
     fallback: the next batches are passed over all the same, and its position counts them."""
@@ -402,3 +414,22 @@ def test_nan_on_one_rank_of_two_skips_on_both_and_keeps_them_in_sync(tmp_path, s
         assert record["skipped_steps"] == 2 and [b["step"] for b in record["bad_steps"]] == [3, 7]
         assert record["global_step"] == 14 and record["last_epoch"] == 12
         assert record["losses"] == ranks[0]["losses"]  # the same window on every rank
+
+
+@pytest.mark.slow
+def test_a_rollback_on_two_ranks_passes_over_the_same_batches_on_both(tmp_path):
+    result = run_cli(*_cli_args(
+        tmp_path, "--trainer.devices=2", *STRATEGIES["ddp"],
+        "--trainer.callbacks+=lightning_train.callbacks.NaNRecovery", "--trainer.callbacks.snapshot_every=4",
+        "--trainer.callbacks.max_consecutive_skips=2", "--trainer.callbacks.skip_batches=3",
+        "--trainer.callbacks+=tests.helpers.nan_faults.InjectFault", "--trainer.callbacks.kind=nan_loss",
+        "--trainer.callbacks.steps=[6, 7]", "--trainer.callbacks.rank=1",  # NaN on rank 1 only
+        "--trainer.callbacks+=tests.helpers.nan_faults.DumpState", f"--trainer.callbacks.folder={tmp_path}",
+    ), cwd=REPO, timeout=150, env=cli_env())
+    assert result.returncode == 0, result.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert ranks[0]["digest"] == ranks[1]["digest"]  # rolled back together: parameters and AdamW state
+    for record in ranks:
+        assert record["rollbacks"] == 1 and record["skipped_data"] == [[8, 3]]
+        # 14 steps computed; the schedule restored to step 4 at the rollback, then 6 real steps
+        assert record["global_step"] == 14 and record["last_epoch"] == 10
