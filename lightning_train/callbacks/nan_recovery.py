@@ -51,7 +51,7 @@ from lightning_train.callbacks.grad_norm import GradNormMonitor
 from lightning_train.callbacks.rng_state import rng_states
 from lightning_train.errors import UserInputError
 from lightning_train.plugins.precision import AmpPrecision, loss_scale_tensor
-from lightning_train.plugins.step_control import StepControl, step_control
+from lightning_train.plugins.step_control import step_control
 
 FORENSICS_FILE = "nan_recovery_forensics.json"
 _HISTORY = 64  # bad steps, recent steps and events kept for the forensic report
@@ -136,7 +136,6 @@ class NaNRecovery(Callback):
         # ---- per-run, not state ----
         self.snapshot = HostSnapshot()
         self._norm_source = GradNormMonitor(groups=1)
-        self._control = StepControl()  # the Trainer's, from on_fit_start
         self._step_loss: torch.Tensor | None = None
         self._escalate = False
         self._trained_since_snapshot = False  # a snapshot of an unchanged state would only relabel it
@@ -152,10 +151,9 @@ class NaNRecovery(Callback):
                 "MixedPrecision (its gradients are still scaled in on_before_optimizer_step); use "
                 "plugins=[lightning_train.plugins.AmpPrecision('16-mixed', device)] or a non-fused optimizer"
             )
-        self._control = step_control(trainer)
         first, end = self._lr_scaled
         if end > first and self.lr_scale != 1:  # resumed inside a rollback's LR window
-            self._control.scale_lr(self.lr_scale, end - first, first_step=first)
+            step_control(trainer).scale_lr(self.lr_scale, end - first, first_step=first)
         # One norm measurement a step, shared with a GradNormMonitor wherever it sits in the list.
         monitors = [c for c in trainer.callbacks if isinstance(c, GradNormMonitor)]
         self._norm_source = monitors[0] if monitors else GradNormMonitor(groups=1)
@@ -236,7 +234,7 @@ class NaNRecovery(Callback):
         norms = self._norm_source.step_norms(trainer, pl_module)  # this step's, measured before the skip
         # a host read on bad steps only: the per-group norms for the forensic report
         group_norms = dict(zip(norms, torch.stack(list(norms.values())).tolist(), strict=True))
-        self._control.skip(optimizer)
+        step_control(trainer).skip(optimizer)
         self.skipped_steps += 1
         self.spikes += "spike" in reason
         self._consecutive += 1
@@ -265,7 +263,7 @@ class NaNRecovery(Callback):
         detail = f"restored the snapshot of step {self.snapshot.step}; passed over the next {skipped} batches"
         if self.lr_scale_steps and self.lr_scale != 1:
             self._lr_scaled = (step, step + self.lr_scale_steps)
-            self._control.scale_lr(self.lr_scale, self.lr_scale_steps)
+            step_control(trainer).scale_lr(self.lr_scale, self.lr_scale_steps)
             detail += f"; LR x{self.lr_scale} for {self.lr_scale_steps} steps"
         self._event(step, "rollback", detail)
         title = f"NaNRecovery rolled back ({self.rollbacks}/{self.max_rollbacks})"
