@@ -14,6 +14,8 @@ Two ways, the first that applies:
 from __future__ import annotations
 
 import lightning as L
+from lightning.pytorch.loops.fetchers import _DataLoaderIterDataFetcher
+from lightning.pytorch.utilities import rank_zero_warn
 
 
 def skip_train_batches(trainer: L.Trainer, num_batches: int) -> int:
@@ -34,6 +36,10 @@ def _draw_and_drop_batches(trainer: L.Trainer, num_batches: int) -> int:
     draws from its private data fetcher (``trainer.fit_loop._data_fetcher``, Lightning 2.5/2.6): the loop
     never sees the batches, and a StatefulDataLoader's saved position counts them as consumed."""
     fetcher = trainer.fit_loop._data_fetcher
+    if isinstance(fetcher, _DataLoaderIterDataFetcher):
+        rank_zero_warn("NaNRecovery cannot pass over batches when training_step draws them itself "
+                       "(dataloader_iter); no batches were skipped after the rollback")
+        return 0
     for dropped in range(num_batches):
         if fetcher is None or fetcher.done:
             return dropped
