@@ -139,6 +139,7 @@ class NaNRecovery(Callback):
         self._step_loss: torch.Tensor | None = None
         self._escalate = False
         self._trained_since_snapshot = False  # a snapshot of an unchanged state would only relabel it
+        self._reported_nbytes = 0
 
     # ---- Lightning hooks ------------------------------------------------------------------------
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -297,12 +298,12 @@ class NaNRecovery(Callback):
         return self._consecutive == 0 and not self._escalate
 
     def _take_snapshot(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        first = self.snapshot.step is None
         self.snapshot.take(trainer, pl_module)
         self._trained_since_snapshot = False
-        if first:
-            size = self.snapshot.nbytes / 2**20
-            rank_zero_info(f"NaNRecovery: snapshots take {size:.1f} MiB of host memory per rank")
+        size = self.snapshot.nbytes
+        if size > self._reported_nbytes:  # the first one, and once the optimizer state exists
+            self._reported_nbytes = size
+            rank_zero_info(f"NaNRecovery: snapshots take {size / 2**20:.1f} MiB of host memory per rank")
 
     def _event(self, step: int, action: str, detail: str) -> None:
         self._events.append({"step": step, "action": action, "detail": detail})
