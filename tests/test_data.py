@@ -319,6 +319,7 @@ def test_loader_resumes_exactly(dataset: Path, num_workers: int):
     resumed.load_state_dict(state)
     assert all(torch.equal(a, b) for a, b in zip(take(iter(resumed), 4), expected, strict=True))
     # near the end of a later epoch: the epoch travels with the state
+    original = loader()
     original.sampler.set_epoch(3)
     epoch = iter(original)
     take(epoch, len(original) - 2)

@@ -3,18 +3,26 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
+import lightning as L
+import numpy as np
 import pytest
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_train.data import SFTDataModule, TextDataModule, prepare
+from lightning_train.errors import UserInputError
+from tests.conftest import REPO, cli_env
+from tests.helpers.sample_log import row_digest
 from tests.test_data import sentences
 
 
 @pytest.fixture
 def dataset(tmp_path: Path) -> Path:
-    """~4k byte tokens: about 230 train windows of 16 tokens."""
+    """~4k byte tokens: 240 train windows of 16 tokens (60 batches of 4)."""
     src = tmp_path / "src.jsonl"
     src.write_text("".join(json.dumps({"text": d}) + "\n" for d in sentences(30)))
     return prepare([str(src)], tmp_path / "data", val_fraction=0.1, num_workers=0)
@@ -96,3 +104,250 @@ def test_sft_loader_skips_and_has_its_own_generator(tmp_path: Path):
     state = torch.random.get_rng_state()
     iter(loader())
     assert torch.equal(state, torch.random.get_rng_state())
+
+
+@pytest.mark.parametrize("saved_after", [1, 3, 6])
+def test_resume_after_a_skip_with_workers_continues_as_the_run_would(dataset: Path, saved_after: int):
+    """A checkpoint taken while batches drawn before the skip are still coming (or after them) resumes into
+    the very batches the uninterrupted run trains on: the prefetched ones, then the batches after the skip."""
+    reference = take(iter(text_loader(dataset)), 14)
+    loader = text_loader(dataset, num_workers=1)
+    iterator = iter(loader)
+    take(iterator, 1)
+    loader.sampler.skip_batches(3)  # batches 1..4 are drawn already; 5, 6, 7 are skipped
+    take(iterator, saved_after - 1)
+    state = loader.state_dict()
+    expected = (reference[1:5] + reference[8:])[saved_after - 1 : saved_after + 3]
+    assert same(take(iterator, 4), expected)
+    for num_workers in (0, 1):
+        resumed = text_loader(dataset, num_workers=num_workers)
+        resumed.load_state_dict(state)
+        assert same(take(iter(resumed), 4), expected), num_workers
+
+
+# Lightning runs whose global batch changes on resume (per-device batch size here, device count in the
+# CLI tests below: the sampler sees the same thing, batch_size x devices)
+
+
+class RowRecorder(L.LightningModule):
+    """Remembers every row it trained on, in order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding = torch.nn.Embedding(258, 1)
+        self.rows: list[tuple[int, ...]] = []
+
+    def training_step(self, batch, batch_idx):
+        self.rows += [tuple(row) for row in batch["input_ids"].tolist()]
+        return self.embedding(batch["input_ids"]).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def fit_rows(
+    dataset: Path,
+    root: Path,
+    batch_size: int,
+    max_steps: int,
+    num_workers: int = 0,
+    ckpt_path: str | None = None,
+    limit: int | float = 1.0,
+    every: int | None = None,
+) -> list[tuple[int, ...]]:
+    """Rows trained on, in order; checkpoints every ``every`` steps (None: at max_steps) or, with 0, as
+    the CLI's ``save_last`` does: when the run stops, which Lightning records as the end of the epoch."""
+    model = RowRecorder()
+    every = max_steps if every is None else every
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, max_steps=max_steps, limit_train_batches=limit, limit_val_batches=0,
+        logger=False, enable_progress_bar=False, enable_model_summary=False, default_root_dir=root,
+        callbacks=[ModelCheckpoint(root, every_n_train_steps=every, save_top_k=-1, save_last=True)],
+    )  # fmt: skip
+    data = TextDataModule(str(dataset), seq_len=16, batch_size=batch_size, num_workers=num_workers)
+    trainer.fit(model, data, ckpt_path=ckpt_path)
+    return model.rows
+
+
+def stream_rows(dataset: Path, global_batch: int, epochs: int, limit: float = 1.0) -> list[tuple[int, ...]]:
+    """The documented order: epoch e is the permutation seeded by (seed, e), cut into whole global batches,
+    the first ``limit`` of them."""
+    windows = TextDataModule(str(dataset), seq_len=16, seed=1234).train_loader().sampler.dataset
+    rows = []
+    for epoch in range(epochs):
+        order = np.random.default_rng((1234, epoch)).permutation(len(windows))
+        batches = int(len(order) // global_batch * limit)
+        rows += [tuple(windows[int(i)]["input_ids"].tolist()) for i in order[: batches * global_batch]]
+    return rows
+
+
+def test_a_fractional_limit_train_batches_cuts_each_epoch_once(dataset: Path, tmp_path: Path):
+    """limit_train_batches=0.25 trains on a quarter of each epoch's batches (15 of 60), not a quarter of a
+    quarter, and the next epoch starts with its own permutation."""
+    rows = fit_rows(dataset, tmp_path, batch_size=4, max_steps=20, limit=0.25)
+    assert len(stream_rows(dataset, 4, 1, limit=0.25)) == 15 * 4
+    assert rows == stream_rows(dataset, 4, 2, limit=0.25)[: 20 * 4]
+
+
+@pytest.mark.parametrize(
+    ("before", "after", "num_workers"), [(4, 8, 0), (8, 4, 1)], ids=["grows", "shrinks-with-workers"]
+)
+def test_resume_at_another_global_batch_repeats_and_skips_nothing(
+    dataset: Path, tmp_path: Path, before, after, num_workers
+):
+    """Mid-epoch 0, the global batch changes; the resumed run finishes epoch 0 with exactly the samples not
+    yet consumed (the last incomplete batch dropped) and goes on with epoch 1 from its start."""
+    first_steps, resumed_steps = 20, 30
+    rows = fit_rows(dataset, tmp_path / "a", before, first_steps, num_workers)
+    (ckpt,) = (tmp_path / "a").glob(f"*step={first_steps}.ckpt")
+    rows += fit_rows(dataset, tmp_path / "b", after, first_steps + resumed_steps, num_workers, str(ckpt))
+    epoch0 = stream_rows(dataset, before, 1)[: first_steps * before]
+    rest = stream_rows(dataset, after, 1)[first_steps * before :]  # epoch 0 cut at the new size
+    epoch1 = stream_rows(dataset, after, 2)[len(stream_rows(dataset, after, 1)) :]
+    expected = epoch0 + rest + epoch1
+    assert len(rows) == first_steps * before + resumed_steps * after
+    assert rows == expected[: len(rows)]
+
+
+def test_resume_from_the_checkpoint_written_when_max_steps_stopped_the_run(dataset: Path, tmp_path: Path):
+    """Lightning counts that checkpoint's epoch as complete; the data's epoch still goes on, so the resumed
+    run (fit to 10 steps, then on to 25, in epochs of 15 batches) trains on what one run of 25 steps does."""
+    straight = fit_rows(dataset, tmp_path / "a", 4, 25, limit=15, every=0)
+    rows = fit_rows(dataset, tmp_path / "b", 4, 10, limit=15, every=0)
+    rows += fit_rows(dataset, tmp_path / "c", 4, 25, limit=15, ckpt_path=str(tmp_path / "b" / "last.ckpt"))
+    assert straight == stream_rows(dataset, 4, 2, limit=0.25)[: 25 * 4]
+    assert rows == straight
+
+
+def test_a_position_in_another_order_is_refused(dataset: Path):
+    loader = text_loader(dataset)
+    next(iter(loader))
+    state = loader.state_dict()
+    other_seq_len = TextDataModule(str(dataset), seq_len=32, batch_size=4).train_loader()
+    with pytest.raises(
+        UserInputError,
+        match=r"order of 240 samples with seed=1234; this run's data has 120 "
+        r"samples with seed=1234 .*seq_len.*Resume with the data, seq_len and seed",
+    ):
+        other_seq_len.load_state_dict(state)
+    with pytest.raises(UserInputError, match="seed=1234; this run's data has 240 samples with seed=7"):
+        text_loader(dataset, seed=7).load_state_dict(state)
+
+
+@pytest.mark.slow
+def test_cli_resumes_across_device_counts_and_strategies(tmp_path: Path):
+    """fsdp on 2 devices (6 steps, mid-epoch 0) -> ddp on 1 device with a worker (to step 20: the rest of
+    epoch 0, into epoch 1) -> ddp on 2 devices (to step 24), each from the last one's last.ckpt. The rows all
+    ranks train on, step by step, are the documented global order: nothing repeated, nothing skipped."""
+    src = tmp_path / "src.jsonl"
+    src.write_text("".join(json.dumps({"text": d}) + "\n" for d in sentences(120)))
+    data = prepare([str(src)], tmp_path / "data", val_fraction=0.1, num_workers=0)
+    log = tmp_path / "log"
+    common = [
+        sys.executable, "-m", "lightning_train", "fit", "--config", str(REPO / "configs/pretrain-tiny.yaml"),
+        "--trainer.accelerator=cpu", f"--data.init_args.data_dir={data}", "--data.init_args.seq_len=32",
+        "--data.init_args.batch_size=4", "--trainer.limit_val_batches=0",
+        "--trainer.limit_train_batches=0.25",
+        "--trainer.callbacks+=tests.helpers.sample_log.SampleLog", f"--trainer.callbacks.folder={log}",
+    ]  # fmt: skip
+    launches = [
+        ("lt_fsdp", 2, 0, 6, None),
+        ("lt_ddp", 1, 1, 20, tmp_path / "run0/checkpoints/last.ckpt"),
+        ("lt_ddp", 2, 0, 24, tmp_path / "run1/checkpoints/last.ckpt"),
+    ]
+    for i, (strategy, devices, workers, max_steps, ckpt) in enumerate(launches):
+        args = [f"--trainer.default_root_dir={tmp_path / f'run{i}'}", f"--trainer.strategy={strategy}",
+                f"--trainer.devices={devices}", f"--data.init_args.num_workers={workers}",
+                f"--trainer.max_steps={max_steps}"] + ([f"--ckpt_path={ckpt}"] if ckpt else [])  # fmt: skip
+        proc = subprocess.run(common + args, env=cli_env(), cwd=REPO, capture_output=True, text=True,
+                              timeout=300)  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-3000:]
+
+    by_step: dict[int, list[list[str]]] = {}
+    for rank in (0, 1):
+        for line in (log / f"samples-rank{rank}.txt").read_text().splitlines():
+            step, digest = line.split()
+            rows = by_step.setdefault(int(step), [[], []])[rank]
+            rows.append(digest)
+    trained = []
+    for step in sorted(by_step):  # rank r holds samples r, r + world_size, ... of each global batch
+        rank0, rank1 = by_step[step]
+        trained += [d for pair in zip(rank0, rank1, strict=True) for d in pair] if rank1 else rank0
+    windows = TextDataModule(str(data), seq_len=32).train_loader().sampler.dataset
+    orders = [np.random.default_rng((1234, epoch)).permutation(len(windows)) for epoch in (0, 1)]
+    # epoch 0: 48 samples at 8 a step, then 44 at 4 (a quarter of the 93 whole batches of 4: 23 batches);
+    # epoch 1: 12 samples at 4 a step, then 32 at 8
+    expected = [row_digest(windows[int(i)]["input_ids"]) for i in [*orders[0][:92], *orders[1][:44]]]
+    assert sorted(by_step) == list(range(1, 25))
+    assert trained == expected
+
+
+def sft_module(path: Path, batch_size: int = 2) -> SFTDataModule:
+    data = SFTDataModule(str(path), str(path), tokenizer="byte", batch_size=batch_size, seq_len=32)
+    data.setup()
+    return data
+
+
+@pytest.mark.parametrize("kind", ["text", "sft"])
+def test_the_position_moves_between_world_sizes(dataset: Path, tmp_path: Path, kind: str):
+    """2 ranks -> 1 -> 2, by loader states as Lightning saves them (rank zero's): the rows of every step,
+    rank 0's and rank 1's interleaved, are the one global order, each once."""
+    if kind == "text":
+        module = TextDataModule(str(dataset), seq_len=16, batch_size=2)
+        windows = module.train_loader().sampler.dataset
+
+        def key(row: torch.Tensor) -> tuple[int, ...]:
+            return tuple(row.tolist())
+
+        def item_key(index: int) -> tuple[int, ...]:
+            return key(windows[index]["input_ids"])
+    else:
+        path = tmp_path / "train.jsonl"
+        path.write_text(
+            "".join(json.dumps({"prompt": f"p{i} ", "response": f"r{i}"}) + "\n" for i in range(90))
+        )
+        module = sft_module(path)
+
+        def key(row: torch.Tensor) -> str:
+            return bytes(t for t in row.tolist() if t < 256).decode().split(" ")[0]
+
+        def item_key(index: int) -> str:
+            return key(torch.tensor(module.train_set[index]["input_ids"]))
+
+    def steps(loaders, n: int) -> list:
+        iterators = [iter(loader) for loader in loaders]
+        rows = []
+        for _ in range(n):
+            batches = [next(iterator)["input_ids"] for iterator in iterators]
+            rows += [key(row) for step_rows in zip(*batches, strict=True) for row in step_rows]
+        return rows
+
+    two = [module.train_loader(rank, 2) for rank in (0, 1)]
+    trained = steps(two, 3)
+    one = module.train_loader(0, 1)
+    one.load_state_dict(two[0].state_dict())
+    trained += steps([one], 5)
+    again = [module.train_loader(rank, 2) for rank in (0, 1)]
+    for loader in again:
+        loader.load_state_dict(one.state_dict())
+    trained += steps(again, 2)
+    order = list(module.train_loader().sampler)
+    assert trained == [item_key(i) for i in order[: 3 * 4 + 5 * 2 + 2 * 4]]
+
+
+def test_every_validation_starts_from_the_beginning(dataset: Path):
+    """Lightning stops a validation after limit_val_batches; the next one reads the same batches again."""
+    loader = TextDataModule(str(dataset), seq_len=16, batch_size=4, val_batches=None).val_loader()
+    first = take(iter(loader), 2)
+    assert same(take(iter(loader), 2), first)
+
+
+def test_an_iterator_dropped_early_leaves_no_batch_out(dataset: Path):
+    """Workers draw batches ahead; when Lightning drops the iterator early (on_train_batch_start returned
+    -1), the batches drawn but not handed out come next, not the ones after them."""
+    reference = take(iter(text_loader(dataset)), 8)
+    loader = text_loader(dataset, num_workers=1)
+    got = take(iter(loader), 2)
+    loader.sampler.set_epoch(1)  # Lightning's next epoch; the data's epoch 0 goes on
+    got += take(iter(loader), 3)
+    assert same(got, reference[:5])

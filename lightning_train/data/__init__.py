@@ -1,6 +1,8 @@
-"""Data: tokenizers, token shards (``prepare``), the default corpus and the pretraining ``TextDataModule``."""
+"""Data: tokenizers, token shards (``prepare``), the default corpus, ``TextDataModule`` and ``SFTDataModule``
+with their shared, world-size-independent loaders (``GlobalOrderSampler``, ``ResumableLoader``)."""
 
 from lightning_train.data.default_corpus import default_corpus_dir
+from lightning_train.data.loading import GlobalOrderSampler, ResumableLoader
 from lightning_train.data.sft import SFTDataModule
 from lightning_train.data.shards import prepare, read_meta
 from lightning_train.data.text import TextDataModule
@@ -8,7 +10,9 @@ from lightning_train.data.tokenizers import ByteTokenizer, HFTokenizer, Tokenize
 
 __all__ = [
     "ByteTokenizer",
+    "GlobalOrderSampler",
     "HFTokenizer",
+    "ResumableLoader",
     "SFTDataModule",
     "TextDataModule",
     "Tokenizer",

@@ -1,36 +1,45 @@
 """The loaders that ``TextDataModule`` and ``SFTDataModule`` share, and their world-size-independent position.
 
-One global sample order per epoch (a permutation seeded by ``(seed, epoch)``, or the plain order for
-validation) is cut into global batches of ``batch_size x data-parallel ranks`` samples; rank ``r`` takes
-every ``world_size``-th sample of each global batch, starting at ``r``. The data position is the number of
-global samples of the epoch consumed so far, so it means the same thing at any world size (as Megatron's
-``consumed_samples`` and OLMo's global step do):
+One global sample order per epoch (a permutation seeded by ``(seed, epoch)``) is cut into global batches
+of ``batch_size x data-parallel ranks`` samples; rank ``r`` takes every ``world_size``-th sample of each
+global batch, starting at ``r``. The data position is the number of global samples of the epoch consumed
+so far, so it means the same thing at any world size (as Megatron's ``consumed_samples`` and OLMo's
+global step do). Validation reads a plain shard of the val set, the same at every validation.
 
 - Same world size and batch size: the resumed run loads the very batches the uninterrupted run would
   (with one rank this is ``DistributedSampler``'s order exactly).
-- Another world size or per-device batch size (2 devices -> 1, ddp <-> fsdp, a lost node): the resumed run
-  continues with the first global sample not yet consumed, cut into batches of the new global size. No
-  sample of the epoch is repeated or skipped; only the last, incomplete global batch of an epoch is
-  dropped, as always. Steps then hold another number of samples; the LR schedule still counts steps.
-- Another dataset, ``seq_len`` or ``seed``: the position means nothing in the new order and is refused.
+- Another global batch (2 devices -> 1 or 1 -> 2, ddp <-> fsdp, a lost node, another per-device
+  ``batch_size``): the resumed run continues with the first global sample not yet consumed, cut into
+  batches of the new global size. No sample of the epoch is repeated or skipped; only the last incomplete
+  global batch of an epoch is dropped, as always. A step then holds another number of samples; the LR
+  schedule and ``max_steps`` still count optimizer steps, so scale them yourself if that matters.
+- Another dataset, ``seq_len`` or ``seed``: the position means nothing in the new order and is refused
+  with one ``UserInputError`` naming both.
 
-Sharding and resume under Lightning:
+Resume under Lightning:
 
 - The samplers subclass ``DistributedSampler``, so Lightning leaves them alone (``use_distributed_sampler``
-  only replaces plain samplers). They shard by the strategy's data-parallel rank themselves, and Lightning
-  still calls ``set_epoch`` on them at the start of every epoch.
-- The train loader is a ``StatefulDataLoader``. Lightning's fit loop puts its ``state_dict()`` (rank zero's;
-  being global, it is every rank's) into every checkpoint (``loops.fit_loop.state_dict.combined_loader``)
-  and, on resume, loads it right before creating the iterator. With workers, that iterator prefetches
-  indices before Lightning calls ``set_epoch``, so the epoch travels in the sampler's state, and a position
-  saved after an epoch's last batch resumes at the next epoch. For that the sampler's epoch ends exactly
-  where Lightning's does (``limit_train_batches``: an int counts global batches, a fraction the epoch).
+  only replaces plain samplers). They shard by the strategy's data-parallel rank themselves.
+- The train loader is a ``ResumableLoader``: its ``state_dict()`` is the position after the last batch it
+  handed out, not after those its workers drew ahead, so it does not depend on ``num_workers`` either.
+  Lightning's fit loop saves rank zero's (being global, it is every rank's) in every checkpoint
+  (``loops.fit_loop.state_dict.combined_loader``) and loads it on resume before the first batch.
+- The sampler's epoch ends exactly where Lightning's does (``limit_train_batches``: an int counts global
+  batches, a fraction takes that share of the epoch's), so a position saved after an epoch's last batch
+  resumes at the next epoch. Lightning counts the epoch's batches itself; after a change of the global
+  batch its count is restated in batches of the new size, so the epoch still ends where the data does.
+- ``set_epoch`` picks the epoch of a fresh sampler; once in use, the data's epochs follow one another
+  (see ``GlobalOrderSampler.set_epoch``).
+- ``train_loader.sampler.skip_batches(n)`` passes over the next ``n`` global batches without loading them
+  (NaN recovery uses it); the saved position counts them.
 - Each loader has its own seeded ``torch.Generator``: creating an iterator draws a worker seed from it, and
   drawing from the global RNG instead would shift the model's dropout stream between a run and its resume.
 """
 
 from __future__ import annotations
 
+import copy
+from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -38,7 +47,6 @@ import lightning as L
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
-from torchdata.stateful_dataloader import StatefulDataLoader
 
 from lightning_train.errors import UserInputError
 
@@ -53,13 +61,17 @@ def check_at_least(*checks: tuple[str, int, int]) -> None:
 class GlobalOrderSampler(DistributedSampler):
     """This rank's share of one global sample order, resumable at any world size.
 
-    Epoch ``e`` is the permutation of the dataset seeded by ``(seed, e)`` (the plain order when
-    ``shuffle=False``), cut into ``batches_per_epoch`` global batches of ``batch_size x num_replicas``
-    samples: all whole global batches, at most ``limit_batches`` (Lightning's ``limit_train_batches``: an int,
-    or a fraction of the epoch). Rank ``r`` yields samples ``r, r + num_replicas, ...`` of each global batch.
+    Epoch ``e`` is the permutation of the dataset seeded by ``(seed, e)``, cut into ``batches_per_epoch``
+    global batches of ``batch_size x num_replicas`` samples: all whole global batches, at most
+    ``limit_batches`` (Lightning's ``limit_train_batches``: an int, or a fraction of the epoch). Rank ``r``
+    yields samples ``r, r + num_replicas, ...`` of each global batch.
+    ``len()`` is this rank's share, as Lightning counts it: with a fraction, that of every whole batch
+    (Lightning applies the fraction to ``len(loader)`` itself).
 
-    ``state_dict()`` holds the epoch and ``consumed``, the global samples of the epoch drawn or skipped, plus
-    what the position is only valid for (dataset size, seed, order) and the global batch it was saved with.
+    ``state_dict()`` is the position after the last batch its ``ResumableLoader`` handed out (workers draw
+    batches ahead; those do not count): the epoch and ``consumed``, the global samples of the epoch drawn or
+    skipped, the skips asked for after that batch was drawn, and what the position is only valid for
+    (dataset size and seed).
     """
 
     def __init__(
@@ -69,86 +81,175 @@ class GlobalOrderSampler(DistributedSampler):
         rank: int,
         seed: int,
         batch_size: int = 1,
-        shuffle: bool = True,
         limit_batches: int | float = 1.0,
     ) -> None:
-        super().__init__(
-            dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed, drop_last=True
-        )
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank, seed=seed, drop_last=True)
         self.batch_size = batch_size
         self.global_batch = batch_size * num_replicas
         whole = len(dataset) // self.global_batch
         self.batches_per_epoch = (
             int(whole * limit_batches) if isinstance(limit_batches, float) else min(whole, limit_batches)
         )
-        self.num_samples = self.batches_per_epoch * batch_size  # this rank's share: len(self)
+        # len(self): this rank's share. Lightning applies a fractional limit_train_batches to len(loader)
+        # itself, so the len of a fraction counts every whole batch, and Lightning's epoch ends at ours.
+        reported = whole if isinstance(limit_batches, float) else self.batches_per_epoch
+        self.num_samples = reported * batch_size
         self.epoch_samples = self.batches_per_epoch * self.global_batch  # where the epoch ends, globally
         self.consumed = 0  # global samples of this epoch drawn or skipped
         self.skip_into_next_epoch = 0  # global samples a skip past the epoch's end still has to pass over
+        self.pending_skips: list[list[int]] = []  # loaded [epoch, at, samples] skips not yet reached
+        self.drawn: deque[dict[str, Any]] = deque()  # the position after each batch drawn, not handed out
+        self.handed_out = self._position()  # the position after the last batch handed out
+        self.started = False  # drawn from, skipped or loaded: set_epoch no longer picks the epoch
+        # Called with the epoch's batches done, counted at this global batch, when a position saved at
+        # another global batch is loaded mid-epoch (see ResumableDataModule._recount_epoch_batches).
+        self.on_global_batch_change: Callable[[int], None] | None = None
 
     def __iter__(self) -> Iterator[int]:
-        n = len(self.dataset)
-        shuffled = self.shuffle
-        order = np.random.default_rng((self.seed, self.epoch)).permutation(n) if shuffled else np.arange(n)
-        # Reads the position before each batch, so a skip_batches in between jumps right there.
-        while self.consumed + self.global_batch <= self.epoch_samples:
+        order = np.random.default_rng((self.seed, self.epoch)).permutation(len(self.dataset))
+        self.started = True
+        self._draw_undelivered_again()
+        if self._epoch_finished():  # iterated again without set_epoch: the next epoch
+            self._next_epoch()
+        self.handed_out = self._position()
+        while True:  # reads the position before each batch, so a skip_batches in between jumps right there
+            self._apply_due_skips()
+            if self.consumed + self.global_batch > self.epoch_samples:
+                return
             first = self.consumed + self.rank
             batch = order[first : first + self.global_batch : self.num_replicas]
             self.consumed += self.global_batch
+            self.drawn.append(self._position())
             yield from batch.tolist()
+
+    def batch_handed_out(self) -> None:
+        """The loader gave the oldest drawn batch to its caller: that is now the saved position."""
+        self.handed_out = self.drawn.popleft()
 
     def skip_batches(self, num_batches: int) -> None:
         """Pass over the next ``num_batches`` global batches of the order without loading them.
 
         Call it with the same ``num_batches`` on every data-parallel rank: each then skips
         ``num_batches x batch_size x num_replicas`` samples of the one global order, so the ranks stay in
-        step. A skip past the epoch's end ends the epoch and goes on into the next one. The position in
-        ``state_dict()`` counts the skipped batches, so a run resumed after the skip continues after them.
+        step. A skip past the epoch's end ends the epoch and goes on into the next one. The saved position
+        counts the skipped batches, so a run resumed after the skip continues after them.
 
-        Indices a loader has already drawn are not affected: they are the next batches it yields. Lightning
-        does not prefetch a sized loader, so with ``num_workers=0`` the skip starts at the very next batch;
-        with workers each worker holds ``prefetch_factor`` batches drawn ahead (``prefetch_factor x
-        num_workers`` in all), which are still loaded and trained on before the skip takes effect.
+        Batches a loader has already drawn are not affected: they are the next ones it yields (and a run
+        resumed from a checkpoint taken before they came yields them too). Lightning does not prefetch a
+        sized loader, so with ``num_workers=0`` the skip starts at the very next batch; with workers
+        ``prefetch_factor x num_workers`` batches are drawn ahead, and those are still loaded and trained on.
         """
         if num_batches < 0:
             raise ValueError(f"num_batches={num_batches} must be at least 0")
-        samples = num_batches * self.global_batch
-        within_epoch = min(samples, max(self.epoch_samples - self.consumed, 0))
-        self.consumed += within_epoch
-        self.skip_into_next_epoch += samples - within_epoch
+        self.started = True
+        skip = [self.epoch, self.consumed, num_batches * self.global_batch]
+        for position in (self.handed_out, *self.drawn):  # drawn before the skip: it is still ahead of them
+            position["pending_skips"].append(skip)
+        self._advance(skip[2])
 
     def set_epoch(self, epoch: int) -> None:
-        if epoch == self.epoch:
+        """Lightning calls this as each of its epochs starts. Before the sampler is used it picks the epoch,
+        as ``DistributedSampler``'s does. Once used, the data's own epochs follow one another: an unfinished
+        one goes on, a finished one is followed by the next. (A Lightning epoch can end before the data's:
+        Lightning counts the epoch of a checkpoint written when ``max_steps`` stopped a run mid-epoch as
+        complete, so a run resumed from it goes on with the rest of the data's epoch first.)"""
+        if not self.started:
+            super().set_epoch(epoch)
             return
-        carried = self.skip_into_next_epoch if epoch == self.epoch + 1 else 0
-        super().set_epoch(epoch)
-        self.consumed = min(carried, self.epoch_samples)  # a position belongs to its epoch only
-        self.skip_into_next_epoch = carried - self.consumed
+        self._draw_undelivered_again()
+        if epoch != self.epoch and self._epoch_finished():
+            self._next_epoch()
 
     def state_dict(self) -> dict[str, Any]:
         return {
-            "epoch": self.epoch,
-            "consumed": self.consumed,
-            "skip_into_next_epoch": self.skip_into_next_epoch,
-            "global_batch": self.global_batch,
+            **copy.deepcopy(self.handed_out),
             "dataset_size": len(self.dataset),
             "seed": self.seed,
-            "shuffle": self.shuffle,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        saved = (state["dataset_size"], state["seed"], state["shuffle"])
-        if saved != (len(self.dataset), self.seed, self.shuffle):
+        if "consumed" not in state:
+            raise UserInputError(
+                "the checkpoint's data position was saved by an older lightning_train (per rank, not "
+                "global); resume it with the version that wrote it, or start a new run from its weights"
+            )
+        if (state["dataset_size"], state["seed"]) != (len(self.dataset), self.seed):
             raise UserInputError(
                 f"the checkpoint's data position is in the order of {state['dataset_size']} samples with "
                 f"seed={state['seed']}; this run's data has {len(self.dataset)} samples with seed={self.seed}"
                 " (another dataset, seq_len or seed). Resume with the data, seq_len and seed the checkpoint "
                 "was saved with, or start a new run from its weights"
             )
-        self.epoch, self.consumed = state["epoch"], state["consumed"]
-        self.skip_into_next_epoch = state["skip_into_next_epoch"]
-        if self.consumed + self.global_batch > self.epoch_samples:  # no whole batch left: the next epoch
-            self.set_epoch(self.epoch + 1)
+        self._restore(state)
+        self._apply_due_skips()
+        self.started = True
+        if self._epoch_finished():  # saved after the epoch's last whole batch
+            self._next_epoch()
+        elif state["global_batch"] != self.global_batch and self.on_global_batch_change is not None:
+            left = (self.epoch_samples - self.consumed) // self.global_batch
+            self.on_global_batch_change(self.batches_per_epoch - left)
+        self.handed_out = self._position()
+
+    def _position(self) -> dict[str, Any]:
+        return {
+            "epoch": self.epoch,
+            "consumed": self.consumed,
+            "skip_into_next_epoch": self.skip_into_next_epoch,
+            "pending_skips": [list(skip) for skip in self.pending_skips],
+            "global_batch": self.global_batch,
+        }
+
+    def _restore(self, position: dict[str, Any]) -> None:
+        self.epoch, self.consumed = position["epoch"], position["consumed"]
+        self.skip_into_next_epoch = position["skip_into_next_epoch"]
+        self.pending_skips = [list(skip) for skip in position["pending_skips"]]
+        self.drawn.clear()
+
+    def _draw_undelivered_again(self) -> None:
+        """An iterator dropped with batches drawn but not handed out (its epoch ended early): the position
+        goes back to the last batch handed out, so those batches come again rather than being lost."""
+        if self.drawn:
+            self._restore(self.handed_out)
+
+    def _epoch_finished(self) -> bool:
+        return self.consumed + self.global_batch > self.epoch_samples
+
+    def _next_epoch(self) -> None:
+        for _, at, samples in self.pending_skips:  # skips not reached in this epoch go on into the next
+            self.consumed = max(self.consumed, at)
+            self._advance(samples)
+        carried = self.skip_into_next_epoch
+        super().set_epoch(self.epoch + 1)
+        self.pending_skips = []
+        self.consumed = min(carried, self.epoch_samples)
+        self.skip_into_next_epoch = carried - self.consumed
+
+    def _advance(self, samples: int) -> None:
+        within_epoch = min(samples, max(self.epoch_samples - self.consumed, 0))
+        self.consumed += within_epoch
+        self.skip_into_next_epoch += samples - within_epoch
+
+    def _apply_due_skips(self) -> None:
+        while self.pending_skips and self.pending_skips[0][:2] <= [self.epoch, self.consumed]:
+            self._advance(self.pending_skips.pop(0)[2])
+
+
+class ResumableLoader(DataLoader):
+    """A ``DataLoader`` over a ``GlobalOrderSampler`` whose ``state_dict`` is the sampler's position after the
+    last batch handed out; independent of the world size and the number of workers."""
+
+    sampler: GlobalOrderSampler
+
+    def __iter__(self) -> Iterator[Any]:
+        for batch in super().__iter__():
+            self.sampler.batch_handed_out()
+            yield batch
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.sampler.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.sampler.load_state_dict(state)
 
 
 class ResumableDataModule(L.LightningDataModule):
@@ -164,9 +265,11 @@ class ResumableDataModule(L.LightningDataModule):
     train_set: Dataset | None
     val_set: Dataset | None
 
-    def train_dataloader(self) -> StatefulDataLoader:
+    def train_dataloader(self) -> ResumableLoader:
         limit = self.trainer.limit_train_batches if self.trainer is not None else 1.0
-        return self.train_loader(*self._data_parallel_rank(), limit_batches=limit)
+        loader = self.train_loader(*self._data_parallel_rank(), limit_batches=limit)
+        loader.sampler.on_global_batch_change = self._recount_epoch_batches
+        return loader
 
     def val_dataloader(self) -> DataLoader:
         return self.val_loader(*self._data_parallel_rank())
@@ -174,18 +277,23 @@ class ResumableDataModule(L.LightningDataModule):
     # Loaders for an explicit rank (what the hooks above use)
     def train_loader(
         self, rank: int = 0, world_size: int = 1, limit_batches: int | float = 1.0
-    ) -> StatefulDataLoader:
+    ) -> ResumableLoader:
         self.setup()
         assert self.train_set is not None
         sampler = GlobalOrderSampler(
             self.train_set, world_size, rank, self.seed, self.batch_size, limit_batches=limit_batches
         )
-        if sampler.batches_per_epoch == 0:
+        if len(self.train_set) < sampler.global_batch:
             raise UserInputError(
                 f"the train split has {self.describe_train_set()}, fewer than batch_size={self.batch_size} x "
                 f"{world_size} devices; lower one of them or add data"
             )
-        return StatefulDataLoader(
+        if sampler.batches_per_epoch == 0:
+            raise UserInputError(
+                f"limit_train_batches={limit_batches} leaves no whole batch of the train split's "
+                f"{len(self.train_set) // sampler.global_batch}; raise it"
+            )
+        return ResumableLoader(
             self.train_set, batch_size=self.batch_size, sampler=sampler, collate_fn=self.collate(),
             **self._worker_kwargs(),
         )  # fmt: skip
@@ -193,7 +301,8 @@ class ResumableDataModule(L.LightningDataModule):
     def val_loader(self, rank: int = 0, world_size: int = 1) -> DataLoader:
         self.setup()
         assert self.val_set is not None
-        sampler = GlobalOrderSampler(self.val_set, world_size, rank, self.seed, shuffle=False)
+        # Every validation starts from the beginning: a plain shard, whole and in order.
+        sampler = DistributedSampler(self.val_set, world_size, rank, shuffle=False, drop_last=True)
         return DataLoader(
             self.val_set, batch_size=self.batch_size, sampler=sampler, collate_fn=self.collate(),
             **self._worker_kwargs(),
@@ -205,6 +314,15 @@ class ResumableDataModule(L.LightningDataModule):
 
     def describe_train_set(self) -> str:
         return f"{len(self.train_set)} examples"
+
+    def _recount_epoch_batches(self, batches_done: int) -> None:
+        """Lightning ends an epoch when its count of the epoch's batches reaches ``len(loader)``. A run
+        resumed at another global batch restores that count in batches of the old size, so the epoch would
+        end too early (samples left out) or too late: restate it in batches of this size."""
+        progress = self.trainer.fit_loop.epoch_loop.batch_progress.current
+        shift = batches_done - progress.ready
+        for counter in ("ready", "started", "processed", "completed"):
+            setattr(progress, counter, getattr(progress, counter) + shift)
 
     def _worker_kwargs(self) -> dict[str, Any]:
         workers = {"persistent_workers": True, "prefetch_factor": 4} if self.num_workers > 0 else {}
