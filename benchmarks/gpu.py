@@ -12,7 +12,6 @@ It also counts the host-device synchronisations in a few training steps after th
 
 from __future__ import annotations
 
-import re
 import tempfile
 import warnings
 from functools import partial
@@ -37,7 +36,7 @@ from common import (
 )
 from lightning.pytorch.callbacks import Callback
 
-from lightning_train.callbacks.throughput import PEAK_FLOPS
+from lightning_train.callbacks.throughput import device_peak_flops
 from lightning_train.cli import LightningTrainCLI
 from lightning_train.models.gpt import GPT, GPTConfig
 
@@ -130,13 +129,10 @@ def train_raw(
 
 
 def peak_flops(device: torch.device, override_tflops: float | None) -> float | None:
-    """Dense bf16 peak FLOP/s of the GPU: ``--peak_tflops`` or the datasheet table of ThroughputMonitor."""
+    """Dense bf16 peak FLOP/s of the GPU: ``--peak_tflops`` or ThroughputMonitor's datasheet value."""
     if override_tflops:
         return override_tflops * 1e12
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device).lower()
-    return next((peaks.get("bf16") for pattern, peaks in PEAK_FLOPS if re.search(pattern, name)), None)
+    return device_peak_flops(device, "bf16-mixed")
 
 
 def _flops_per_token(config: GPTConfig, seq_len: int) -> float:

@@ -10,6 +10,7 @@ import math
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import lightning as L
@@ -23,6 +24,7 @@ from lightning_train.errors import UserInputError
 from lightning_train.models.gpt import GPT, GPTConfig
 from lightning_train.modules import PretrainModule
 from tests.conftest import REPO, cli_env, run_cli
+from tests.helpers.nan_faults import PatternDataModule
 
 TINY = {"vocab_size": 258, "block_size": 32, "n_layer": 2, "n_head": 2, "n_embd": 32}
 
@@ -193,12 +195,106 @@ def test_scaled_gradients_are_reported(tmp_path):
         trainer.fit(PretrainModule(GPTConfig(**TINY)), FixedBatches())
 
 
-def test_clip_counters_survive_a_checkpoint():
-    monitor = GradNormMonitor()
-    monitor._clipped_steps, monitor._steps_in_interval = torch.tensor(3), 5
-    restored = GradNormMonitor()
-    restored.load_state_dict(monitor.state_dict())
-    assert restored.state_dict() == {"clipped_steps": 3, "steps_in_interval": 5}
+GROUPINGS = {  # GradNormMonitor's groups option -> the group of each parameter name, written out by hand
+    "default": (None, group_of),
+    "depth": (1, lambda name: name.split(".")[1]),
+    "regex": ({"attention": r"\.attn\.", "mlp": r"\.mlp\."},
+              lambda name: "attention" if ".attn." in name else "mlp" if ".mlp." in name else "other"),
+}
+
+
+def p_norms(tensors: dict[str, torch.Tensor], group: Callable[[str], str], p: float) -> dict[str, float]:
+    """Norms per group and in total, with torch.linalg.vector_norm over the concatenated tensors."""
+    members: dict[str, list[torch.Tensor]] = {}
+    for name, t in tensors.items():
+        members.setdefault(group(name), []).append(t.double().flatten())
+    norms = {g: torch.linalg.vector_norm(torch.cat(ts), ord=p).item() for g, ts in members.items()}
+    norms["total"] = torch.linalg.vector_norm(torch.cat([t.double().flatten() for t in tensors.values()]),
+                                              ord=p).item()
+    return norms
+
+
+@pytest.mark.parametrize("update_ratio", [True, False])
+@pytest.mark.parametrize("grouping", list(GROUPINGS))
+@pytest.mark.parametrize("norm_type", [1.0, 2.0, 3.0, math.inf])
+def test_every_norm_type_with_every_option_logs_the_independent_norms(tmp_path, norm_type, grouping,
+                                                                     update_ratio):
+    groups, group = GROUPINGS[grouping]
+    torch.manual_seed(0)
+    logger, recorder = MemoryLogger(), RecordTensors()
+    monitor = GradNormMonitor(
+        log_every_n_steps=1, groups=groups, norm_type=norm_type, update_ratio=update_ratio
+    )
+    trainer = L.Trainer(
+        max_steps=2, accelerator="cpu", logger=logger, callbacks=[recorder, monitor], gradient_clip_val=1.0,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
+    trainer.fit(PretrainModule(GPTConfig(**TINY), learning_rate=1e-2, warmup_steps=1), FixedBatches())
+    for step in (0, 1):
+        expected = p_norms(recorder.grads[step], group, norm_type)
+        logged = logger.rows[step][1]
+        assert logged["health/grad_norm"] == pytest.approx(expected["total"], rel=1e-5)
+        for name in set(expected) - {"total"}:
+            assert logged[f"health/grad_norm/{name}"] == pytest.approx(expected[name], rel=1e-5)
+        assert ("health/clip_fraction" in logged) == (norm_type == 2.0)  # clipping is by the 2-norm
+        assert ("health/param_norm" in logged) == update_ratio
+        if update_ratio:
+            before, after = recorder.before[step], recorder.after[step]
+            weights = p_norms(before, group, norm_type)
+            updates = p_norms({n: after[n] - before[n] for n in before}, group, norm_type)
+            assert logged["health/param_norm"] == pytest.approx(weights["total"], rel=1e-5)
+            for name in set(weights) - {"total"}:
+                ratio = logged[f"health/update_ratio/{name}"]
+                assert ratio == pytest.approx(updates[name] / weights[name], rel=1e-4)
+
+
+def test_no_norm_records_an_autograd_graph(tmp_path):
+    """The weights require grad: their norms (update ratio) must not be recorded for backward."""
+    recorded_by_monitor = []
+    monitor_file = sys.modules[GradNormMonitor.__module__].__file__
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        frame = sys._getframe(1)
+        while frame is not None and frame.f_code.co_filename != monitor_file:
+            frame = frame.f_back
+        if frame is not None:
+            recorded_by_monitor.append(frame.f_lineno)
+        return tensor
+
+    trainer = L.Trainer(
+        max_steps=2, accelerator="cpu", logger=MemoryLogger(), enable_checkpointing=False,
+        callbacks=[GradNormMonitor(log_every_n_steps=1)], enable_progress_bar=False,
+        enable_model_summary=False, default_root_dir=tmp_path,
+    )
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        trainer.fit(PretrainModule(GPTConfig(**TINY), warmup_steps=1), FixedBatches())
+    assert recorded_by_monitor == []
+
+
+def test_clip_fraction_of_an_interval_cut_by_a_resume_is_the_uninterrupted_one(tmp_path):
+    """Steps 4-6 form one logging interval; a resume after step 4 must still count step 4's clip."""
+    def fit(max_steps: int, ckpt_path=None) -> tuple[L.Trainer, MemoryLogger]:
+        torch.manual_seed(0)
+        logger = MemoryLogger()
+        trainer = L.Trainer(
+            max_steps=max_steps, accelerator="cpu", logger=logger, log_every_n_steps=3,
+            callbacks=[GradNormMonitor(log_every_n_steps=3)], gradient_clip_val=1.1,
+            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+            default_root_dir=tmp_path,
+        )
+        module = PretrainModule(GPTConfig(**TINY), learning_rate=1e-2, warmup_steps=1)
+        data = PatternDataModule(vocab_size=258, batch_size=4)
+        trainer.fit(module, data, ckpt_path=ckpt_path, weights_only=False)
+        return trainer, logger
+
+    _, uninterrupted = fit(6)
+    fraction = uninterrupted.series("health/clip_fraction")[-1]
+    assert 0 < fraction < 1, "the interval should clip some of its steps only"
+    stopped, _ = fit(4)
+    stopped.save_checkpoint(tmp_path / "four.ckpt")
+    _, resumed = fit(6, ckpt_path=tmp_path / "four.ckpt")
+    assert resumed.series("health/clip_fraction") == pytest.approx([fraction])
 
 
 # ---- data parallel: the same global batch gives the same norm -----------------------------------

@@ -11,7 +11,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 
 from lightning_train import GPTConfig, PretrainModule, UserInputError
-from lightning_train.plugins import AmpPrecision, HeldLRScheduler
+from lightning_train.plugins import AmpPrecision, step_control
 from tests.helpers.nan_faults import InjectFault, PatternDataModule
 
 TINY = GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_embd=16)
@@ -114,9 +114,41 @@ def test_scaler_and_scheduler_state_round_trip_through_checkpoints(tmp_path):
     buffer.seek(0)
     schedulers = torch.load(buffer, weights_only=True)  # plain state, no wrapper objects
     assert schedulers[0]["last_epoch"] == 4
-    assert isinstance(trainer.lr_scheduler_configs[0].scheduler, HeldLRScheduler)
 
     resumed, _ = fit(tmp_path, [], max_steps=5, plugin=AmpPrecision("16-mixed", "cpu", init_scale=1.0),
                      ckpt_path=path)
     assert resumed.precision_plugin.scaler.get_scale() == checkpoint["AmpPrecision"]["scale"]
     assert resumed.lr_scheduler_configs[0].scheduler.last_epoch == 5
+
+
+class SkipStepTwo(Callback):
+    """A user's own callback that skips a step through the Trainer's step-control object."""
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        if trainer.global_step == 2:
+            step_control(trainer).skip(optimizer)
+
+
+@pytest.mark.parametrize("plugin", [None, "amp"], ids=["lightning-32-true", "amp-16-mixed"])
+def test_any_callback_can_skip_a_step_through_the_step_control_object(tmp_path, plugin):
+    after: dict[int, tuple[list[torch.Tensor], int]] = {}  # global_step -> (parameters, last_epoch)
+
+    class Record(Callback):
+        def on_train_batch_end(self, trainer, pl_module, *args):
+            scheduler = trainer.lr_scheduler_configs[0].scheduler
+            after[trainer.global_step] = ([p.detach().clone() for p in pl_module.parameters()],
+                                          scheduler.last_epoch)
+
+    plugins = [AmpPrecision("16-mixed", "cpu", init_scale=2.0**10)] if plugin else []
+    torch.manual_seed(0)
+    trainer = L.Trainer(
+        default_root_dir=tmp_path, max_steps=4, accelerator="cpu", logger=False, enable_progress_bar=False,
+        enable_model_summary=False, callbacks=[SkipStepTwo(), Record()], plugins=plugins,
+    )
+    trainer.fit(PretrainModule(TINY, warmup_steps=4, decay_steps=50), PatternDataModule(batch_size=4),
+                weights_only=False)
+    (params_before, epoch_before), (params_after, epoch_after) = after[2], after[3]  # around step index 2
+    assert all(torch.equal(p, q) for p, q in zip(params_before, params_after, strict=True))
+    assert epoch_before == epoch_after == 2
+    assert after[4][1] == 3  # 4 steps attempted, 3 real
+    assert step_control(trainer) is step_control(trainer)  # one object per Trainer

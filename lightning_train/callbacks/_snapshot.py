@@ -14,11 +14,8 @@ from typing import Any
 
 import lightning as L
 import torch
-from torch.distributed.tensor import DTensor
 
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+from lightning_train.callbacks._common import local_tensor
 
 
 class HostSnapshot:
@@ -65,7 +62,7 @@ class HostSnapshot:
             raise RuntimeError("HostSnapshot.restore before take")
         with torch.no_grad():
             for name, tensor in pl_module.state_dict().items():
-                _local(tensor).copy_(self._model[name])
+                local_tensor(tensor).copy_(self._model[name])
             for optimizer, saved in zip(trainer.optimizers, self._optimizers, strict=True):
                 for param, state in zip(_params(optimizer), saved["state"], strict=True):
                     if not state:  # no state yet at the snapshot: as if never stepped
@@ -74,7 +71,7 @@ class HostSnapshot:
                     live = optimizer.state[param]
                     for key, value in state.items():
                         if isinstance(value, torch.Tensor) and isinstance(live.get(key), torch.Tensor):
-                            _local(live[key]).copy_(value)
+                            local_tensor(live[key]).copy_(value)
                         else:
                             live[key] = copy.deepcopy(value)
                 for group, saved_group in zip(optimizer.param_groups, saved["groups"], strict=True):
@@ -90,7 +87,7 @@ def _params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
 
 
 def _host_copy(tensor: torch.Tensor, buffer: torch.Tensor | None) -> torch.Tensor:
-    local = _local(tensor.detach())
+    local = local_tensor(tensor.detach())
     if buffer is None or buffer.shape != local.shape or buffer.dtype != local.dtype:
         buffer = torch.empty(local.shape, dtype=local.dtype, device="cpu", pin_memory=local.is_cuda)
     return buffer.copy_(local)

@@ -31,6 +31,7 @@ from torch import nn
 from torch.amp.grad_scaler import OptState
 from torch.distributed.tensor import DTensor
 
+from lightning_train.callbacks._common import is_logging_step, local_tensor, log_metrics
 from lightning_train.errors import UserInputError
 
 BLOCK_LIST_NAMES = ("blocks", "layers", "h")  # nanoGPT/this package, Llama/Mistral, GPT-2
@@ -58,6 +59,10 @@ class GradNormMonitor(Callback):
     monitor warns once if it finds scaled gradients. With DDP the gradients are already averaged;
     with FSDP2 the local shards' sums of squares are all-reduced, so every rank gets the norm of
     the full gradient. Shared (tied) parameters count once, in the group where they first appear.
+
+    ``step_norms`` gives other callbacks (``NaNRecovery``) this step's norms: computed once a step by
+    whichever callback asks first, so the order of the callbacks does not matter. Every norm is computed
+    without autograd (``torch.no_grad``), on any ``norm_type``.
 
     Cost: per step one fused norm pass and, when sharded, one all-reduce of a vector of group
     sums; no host synchronisation. On logging steps only, ``update_ratio`` keeps a copy of the
@@ -111,6 +116,8 @@ class GradNormMonitor(Callback):
         self._clipped_steps: torch.Tensor | int = 0  # device counter between logs (an int when restored)
         self._steps_in_interval = 0
         self._pending: dict[str, Any] | None = None  # a logging step's norms, until after its update
+        self._step_key: tuple[int, int] | None = None  # (global_step, batch) of the norms in _step_norms
+        self._step_norms = torch.zeros(0)
         self._warned_scaled = False
 
     # ---- the fused norm computation -------------------------------------------------------------
@@ -118,7 +125,24 @@ class GradNormMonitor(Callback):
         """Gradient norms of ``module`` now: ``{"total": ..., "<group>": ...}``, 0-d tensors on the
         device, without a host synchronisation (FSDP2: a collective every rank must join)."""
         self._build_groups(module)
-        norms = self._group_norms([[p.grad for p in bucket.params] for bucket in self._buckets])
+        return self._named(self._grad_norms())
+
+    def step_norms(self, trainer: L.Trainer, module: nn.Module) -> dict[str, torch.Tensor]:
+        """This optimizer step's pre-clip gradient norms, as ``measure`` gives them, computed once a step
+        (call it in ``on_before_optimizer_step``; the first caller's measurement is everyone's)."""
+        return self._named(self._norms_of_step(trainer, module))
+
+    def _norms_of_step(self, trainer: L.Trainer, module: nn.Module) -> torch.Tensor:
+        key = (trainer.global_step, trainer.fit_loop.total_batch_idx)
+        if key != self._step_key or module is not self._module:
+            self._build_groups(module)
+            self._step_norms, self._step_key = self._grad_norms(), key
+        return self._step_norms
+
+    def _grad_norms(self) -> torch.Tensor:
+        return self._group_norms([[p.grad for p in bucket.params] for bucket in self._buckets])
+
+    def _named(self, norms: torch.Tensor) -> dict[str, torch.Tensor]:
         return dict(zip([*self.group_names, "total"], norms.unbind(), strict=True))
 
     def _build_groups(self, module: nn.Module) -> None:
@@ -133,7 +157,7 @@ class GradNormMonitor(Callback):
         by_key: dict[tuple, list[tuple[nn.Parameter, int]]] = {}
         for name, param in named:
             shard_groups = _shard_groups(param)
-            local = param.to_local() if isinstance(param, DTensor) else param
+            local = local_tensor(param)
             key = (local.device, local.dtype, shard_groups)
             by_key.setdefault(key, []).append((param, index[group_of[name]]))
         self._buckets = [
@@ -143,6 +167,7 @@ class GradNormMonitor(Callback):
         self._device = self._buckets[0].group_index.device
         self._module = module
 
+    @torch.no_grad()  # norms of weights that require grad must not record an autograd graph
     def _group_norms(self, tensors: Sequence[Sequence[torch.Tensor | None]]) -> torch.Tensor:
         """Norms per group plus the total, as one vector of length ``len(group_names) + 1``, from
         one list of (possibly sharded or missing) tensors per bucket."""
@@ -155,7 +180,7 @@ class GradNormMonitor(Callback):
             )
             if not present:
                 continue
-            local = [_local(bucket_tensors[i]) for i in present]
+            local = [local_tensor(bucket_tensors[i]) for i in present]
             index = bucket.group_index if len(present) == len(bucket_tensors) else bucket.group_index[present]
             norms = torch.stack(torch._foreach_norm(local, p)).float()
             if math.isinf(p):
@@ -176,26 +201,25 @@ class GradNormMonitor(Callback):
     # ---- Lightning hooks ------------------------------------------------------------------------
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._build_groups(pl_module)
-        self._pending = None
+        self._pending, self._step_key = None, None
 
     def on_before_optimizer_step(
         self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
         self._warn_if_scaled(trainer, optimizer)
-        self._build_groups(pl_module)
-        norms = self._group_norms([[p.grad for p in bucket.params] for bucket in self._buckets])
+        norms = self._norms_of_step(trainer, pl_module)
         self.last_total_norm = norms[-1]
         if _clips_by_norm(trainer) and self.norm_type == 2.0:
             self._clipped_steps = self._clipped_steps + (norms[-1] > trainer.gradient_clip_val).long()
         self._steps_in_interval += 1
-        if (trainer.global_step + 1) % (self.log_every_n_steps or trainer.log_every_n_steps) != 0:
+        if not is_logging_step(trainer, self.log_every_n_steps, before_step=True):
             return
         self._pending = {"grad": norms}
         if self.update_ratio:
-            weights = [[_local(p) for p in bucket.params] for bucket in self._buckets]
+            weights = [[local_tensor(p) for p in bucket.params] for bucket in self._buckets]
             self._pending["param"] = self._group_norms(weights)
-            # The weights before the update (one fused copy per bucket; freed after the step).
-            self._pending["before"] = [torch._foreach_mul(bucket_weights, 1.0) for bucket_weights in weights]
+            with torch.no_grad():  # the weights before the update (one fused copy per bucket; freed after)
+                self._pending["before"] = [torch._foreach_mul(bucket, 1.0) for bucket in weights]
 
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -205,8 +229,9 @@ class GradNormMonitor(Callback):
         pending, self._pending = self._pending, None
         values = [pending["grad"]]
         if self.update_ratio:
-            for before, bucket in zip(pending["before"], self._buckets, strict=True):
-                torch._foreach_sub_(before, [_local(p) for p in bucket.params])  # now -Δw
+            with torch.no_grad():
+                for before, bucket in zip(pending["before"], self._buckets, strict=True):
+                    torch._foreach_sub_(before, [local_tensor(p) for p in bucket.params])  # now -Δw
             values.append(pending["param"][-1:])
             values.append(self._group_norms(pending["before"])[:-1] / pending["param"][:-1])
         clips = _clips_by_norm(trainer) and self.norm_type == 2.0
@@ -242,18 +267,6 @@ class GradNormMonitor(Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._clipped_steps = state_dict["clipped_steps"]
         self._steps_in_interval = state_dict["steps_in_interval"]
-
-
-def log_metrics(trainer: L.Trainer, metrics: dict[str, float]) -> None:
-    """Send ``metrics`` to every logger at the step Lightning logs ``train/loss`` of this batch with
-    (what its own LearningRateMonitor does), so the values share one row/step."""
-    step = trainer.fit_loop.epoch_loop._batches_that_stepped
-    for logger in trainer.loggers:
-        logger.log_metrics(metrics, step=step)
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def _shard_groups(param: nn.Parameter) -> tuple[dist.ProcessGroup, ...]:

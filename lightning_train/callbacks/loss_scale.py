@@ -27,13 +27,10 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.optim import Optimizer
 
 from lightning_train.alerts import send_alert
-from lightning_train.callbacks.grad_norm import log_metrics
+from lightning_train.callbacks._common import is_logging_step, log_metrics
 from lightning_train.errors import UserInputError
-from lightning_train.plugins.precision import (
-    AmpPrecision,
-    hold_lr_schedulers_on_skipped_steps,
-    loss_scale_tensor,
-)
+from lightning_train.plugins.precision import AmpPrecision, loss_scale_tensor
+from lightning_train.plugins.step_control import step_control
 
 _COUNTERS = ("overflow_steps", "growth_count", "overflow_run", "longest_overflow_run")
 
@@ -45,7 +42,8 @@ class LossScaleMonitor(Callback):
     when the scale falls below ``min_scale`` or the scaler overflows ``max_consecutive_overflows``
     steps in a row. Without a GradScaler (fp32, bf16) it logs nothing and says so once.
 
-    Steps the scaler skips hold the LR schedulers (see ``lightning_train.plugins``). With Lightning's
+    Steps the scaler skips hold the LR schedulers (the Trainer's ``step_control``, under any precision
+    plugin). With Lightning's
     own ``MixedPrecision`` and a fused optimizer that is impossible (the fused kernel skips the update
     but the step still "happens"), and the monitor warns: use ``AmpPrecision``.
 
@@ -83,7 +81,7 @@ class LossScaleMonitor(Callback):
                 f"LossScaleMonitor: precision {trainer.precision!r} uses no loss scaling; nothing to log."
             )
             return
-        hold_lr_schedulers_on_skipped_steps(trainer)
+        step_control(trainer)  # holds the LR schedule over the steps the scaler skips
         fused = any(getattr(opt, "_step_supports_amp_scaling", False) for opt in trainer.optimizers)
         if fused and not isinstance(trainer.precision_plugin, AmpPrecision):
             rank_zero_warn(
@@ -115,7 +113,7 @@ class LossScaleMonitor(Callback):
             torch.as_tensor(counts["longest_overflow_run"], device=after.device), counts["overflow_run"]
         )
         self._lowest_scale = torch.minimum(torch.as_tensor(self._lowest_scale, device=after.device), after)
-        if trainer.global_step % (self.log_every_n_steps or trainer.log_every_n_steps) == 0:
+        if is_logging_step(trainer, self.log_every_n_steps):
             self._log(trainer, after)
 
     def _log(self, trainer: L.Trainer, scale: torch.Tensor) -> None:

@@ -4,11 +4,12 @@ The escalation ladder, checked at every optimizer step:
 
 1. **Skip** a step whose loss or gradient norm is non-finite, or whose loss (optionally gradient norm) is
    a spike: more than ``spike_threshold`` standard deviations above the mean of the last ``window``
-   accepted steps. The step changes nothing (``lightning_train.plugins.skip_optimizer_step``).
+   accepted steps. The step changes nothing (``step_control(trainer).skip``, ``lightning_train.plugins``).
 2. **Roll back** after ``max_consecutive_skips`` skips in a row, or ``max_skips_in_window`` within
    ``skip_window`` steps: restore model, optimizer, LR schedulers and GradScaler from the snapshot taken
-   every ``snapshot_every`` steps (host memory, each rank its own shard), skip the next ``skip_batches``
-   batches, and optionally scale the LR by ``lr_scale`` for ``lr_scale_steps`` steps (PaLM §5.1).
+   every ``snapshot_every`` steps (host memory, each rank its own shard), pass over the next
+   ``skip_batches`` batches without computing them (they cost no step of ``max_steps``), and optionally
+   scale the LR by ``lr_scale`` for ``lr_scale_steps`` steps (PaLM §5.1).
 3. **Abort** when a rollback is due after ``max_rollbacks`` of them: save the last good state as a
    checkpoint, write a forensic JSON, raise ``TrainingAborted`` (the CLI exits with code 3).
 
@@ -32,28 +33,25 @@ from __future__ import annotations
 import base64
 import json
 import math
-import random
 from collections import deque
 from pathlib import Path
 from typing import Any
 
 import lightning as L
-import numpy as np
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
 from torch.optim import Optimizer
 
 from lightning_train.alerts import send_alert
+from lightning_train.callbacks._common import is_logging_step, log_metrics
+from lightning_train.callbacks._data_skip import skip_train_batches
 from lightning_train.callbacks._snapshot import HostSnapshot
-from lightning_train.callbacks.grad_norm import GradNormMonitor, log_metrics
+from lightning_train.callbacks.grad_norm import GradNormMonitor
+from lightning_train.callbacks.rng_state import rng_states
 from lightning_train.errors import UserInputError
-from lightning_train.plugins.precision import (
-    AmpPrecision,
-    hold_lr_schedulers_on_skipped_steps,
-    loss_scale_tensor,
-    skip_optimizer_step,
-)
+from lightning_train.plugins.precision import AmpPrecision, loss_scale_tensor
+from lightning_train.plugins.step_control import step_control
 
 FORENSICS_FILE = "nan_recovery_forensics.json"
 _HISTORY = 64  # bad steps, recent steps and events kept for the forensic report
@@ -70,8 +68,8 @@ class TrainingAborted(Exception):
 class NaNRecovery(Callback):
     """Detects non-finite and spiking steps and escalates: skip → roll back and skip data → abort.
 
-    Put it after ``GradNormMonitor`` (it then reuses that step's total norm and logs per-group norms
-    of bad steps) and ``LossScaleMonitor`` in the callback list.
+    With a ``GradNormMonitor`` among the callbacks (anywhere in the list) it shares that step's norms
+    (one measurement, its groups in the forensic report); without one it measures the total norm itself.
 
     Args:
         spike_threshold: z-score above which a loss is a spike; ``inf`` turns spike detection off.
@@ -82,9 +80,9 @@ class NaNRecovery(Callback):
         max_skips_in_window: ... or after this many within the last ``skip_window`` steps.
         skip_window: see ``max_skips_in_window``.
         snapshot_every: optimizer steps between host-memory snapshots (also one at the start).
-        skip_batches: batches after a rollback that are not trained on (whole optimizer steps: with
-            gradient accumulation, rounded up to full steps).
-        lr_scale: LR factor for the ``lr_scale_steps`` trained steps after a rollback's data skip.
+        skip_batches: batches after a rollback that are passed over without computing them; they do not
+            count as steps (``global_step`` and ``max_steps`` ignore them).
+        lr_scale: LR factor for the ``lr_scale_steps`` steps after a rollback.
         lr_scale_steps: see ``lr_scale``; 0 leaves the LR alone.
         max_rollbacks: abort when one more rollback would be needed.
     """
@@ -126,23 +124,22 @@ class NaNRecovery(Callback):
         self.lr_scale, self.lr_scale_steps, self.max_rollbacks = lr_scale, lr_scale_steps, max_rollbacks
         # ---- state (all of it in state_dict) ----
         self.skipped_steps = self.spikes = self.rollbacks = 0
-        self.skipped_data: list[list[int]] = []  # [first, end) steps whose batches are not trained on
+        self.skipped_data: list[list[int]] = []  # [global_step, batches passed over] per rollback
         self._losses: deque[float] = deque(maxlen=window)
         self._norms: deque[float] = deque(maxlen=window)
         self._consecutive = 0
         self._recent_skips: deque[int] = deque()
-        self._lr_scaled = (0, 0)  # [first, end) steps trained with lr * lr_scale
+        self._lr_scaled = (0, 0)  # [first, end) steps trained with lr * lr_scale (the control applies it)
         self._bad_steps: deque[dict[str, Any]] = deque(maxlen=_HISTORY)
         self._recent: deque[list[float]] = deque(maxlen=_HISTORY)  # [step, loss, grad_norm]
         self._events: deque[dict[str, Any]] = deque(maxlen=_HISTORY)
         # ---- per-run, not state ----
         self.snapshot = HostSnapshot()
-        self._norm_source: GradNormMonitor | None = None
-        self._reuse_norm = False
+        self._norm_source = GradNormMonitor(groups=1)
         self._step_loss: torch.Tensor | None = None
         self._escalate = False
         self._trained_since_snapshot = False  # a snapshot of an unchanged state would only relabel it
-        self._saved_lrs: tuple[Optimizer, list[Any], Any] | None = None
+        self._reported_nbytes = 0
 
     # ---- Lightning hooks ------------------------------------------------------------------------
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -155,12 +152,12 @@ class NaNRecovery(Callback):
                 "MixedPrecision (its gradients are still scaled in on_before_optimizer_step); use "
                 "plugins=[lightning_train.plugins.AmpPrecision('16-mixed', device)] or a non-fused optimizer"
             )
-        hold_lr_schedulers_on_skipped_steps(trainer)
+        first, end = self._lr_scaled
+        if end > first and self.lr_scale != 1:  # resumed inside a rollback's LR window
+            step_control(trainer).scale_lr(self.lr_scale, end - first, first_step=first)
+        # One norm measurement a step, shared with a GradNormMonitor wherever it sits in the list.
         monitors = [c for c in trainer.callbacks if isinstance(c, GradNormMonitor)]
         self._norm_source = monitors[0] if monitors else GradNormMonitor(groups=1)
-        # The monitor's last_total_norm is this step's only if it runs first in on_before_optimizer_step.
-        order = trainer.callbacks.index
-        self._reuse_norm = bool(monitors) and order(monitors[0]) < order(self)
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._take_snapshot(trainer, pl_module)  # the starting (or resumed) state is the first good one
@@ -169,7 +166,7 @@ class NaNRecovery(Callback):
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         step = trainer.global_step
-        if step % self.snapshot_every == 0 and self._trained_since_snapshot and self._healthy(step):
+        if step % self.snapshot_every == 0 and self._trained_since_snapshot and self._healthy():
             self._take_snapshot(trainer, pl_module)
 
     def on_before_backward(
@@ -186,14 +183,9 @@ class NaNRecovery(Callback):
         self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Optimizer
     ) -> None:
         step, loss, self._step_loss = trainer.global_step, self._step_loss, None
-        if self._in_skipped_data(step):
-            skip_optimizer_step(trainer, optimizer)
-            return
         if loss is None:  # no backward this step (training_step returned None)
             return
-        norm = self._norm_source.last_total_norm if self._reuse_norm else None
-        if norm is None:
-            norm = self._norm_source.measure(pl_module)["total"]
+        norm = self._norm_source.step_norms(trainer, pl_module)["total"]
         overflow = _found_inf(trainer, optimizer, loss)
         stats = torch.stack([loss.reshape(()), norm.float().to(loss.device), overflow])
         # One all-reduce (mean over ranks: a non-finite value anywhere stays non-finite) and one host read.
@@ -207,20 +199,18 @@ class NaNRecovery(Callback):
             self._trained_since_snapshot = True
             self._losses.append(loss_value)
             self._norms.append(norm_value)
-            self._maybe_scale_lr(step, optimizer)
         else:
             self._skip(trainer, pl_module, optimizer, reason, loss_value, norm_value)
 
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        self._restore_lrs()  # if the step did not run, the post-step hook did not restore them
         if self._escalate:
             self._escalate = False
             if self.rollbacks >= self.max_rollbacks:
                 self._abort(trainer, pl_module)
             self._rollback(trainer, pl_module)
-        elif trainer.global_step % trainer.log_every_n_steps == 0:
+        elif is_logging_step(trainer):
             self._log(trainer)
 
     # ---- the ladder -----------------------------------------------------------------------------
@@ -242,9 +232,10 @@ class NaNRecovery(Callback):
         loss: float, norm: float,
     ) -> None:
         step = trainer.global_step
-        norms = self._norm_source.measure(pl_module)  # bad steps only: per-group norms for the report
+        norms = self._norm_source.step_norms(trainer, pl_module)  # this step's, measured before the skip
+        # a host read on bad steps only: the per-group norms for the forensic report
         group_norms = dict(zip(norms, torch.stack(list(norms.values())).tolist(), strict=True))
-        skip_optimizer_step(trainer, optimizer)
+        step_control(trainer).skip(optimizer)
         self.skipped_steps += 1
         self.spikes += "spike" in reason
         self._consecutive += 1
@@ -267,14 +258,13 @@ class NaNRecovery(Callback):
         self.rollbacks += 1
         self._consecutive = 0
         self._recent_skips.clear()
-        accumulate = trainer.accumulate_grad_batches
-        end = step + math.ceil(self.skip_batches / accumulate)
-        if end > step:
-            self.skipped_data.append([step, end])
-        self._lr_scaled = (end, end + self.lr_scale_steps)
-        snapshot_step = self.snapshot.step
-        detail = f"restored the snapshot of step {snapshot_step}; batches of steps {step}..{end - 1} skipped"
+        skipped = skip_train_batches(trainer, self.skip_batches)  # no step, no compute, no global_step
+        if skipped:
+            self.skipped_data.append([step, skipped])
+        detail = f"restored the snapshot of step {self.snapshot.step}; passed over the next {skipped} batches"
         if self.lr_scale_steps and self.lr_scale != 1:
+            self._lr_scaled = (step, step + self.lr_scale_steps)
+            step_control(trainer).scale_lr(self.lr_scale, self.lr_scale_steps)
             detail += f"; LR x{self.lr_scale} for {self.lr_scale_steps} steps"
         self._event(step, "rollback", detail)
         title = f"NaNRecovery rolled back ({self.rollbacks}/{self.max_rollbacks})"
@@ -304,49 +294,25 @@ class NaNRecovery(Callback):
         )
 
     # ---- helpers --------------------------------------------------------------------------------
-    def _healthy(self, step: int) -> bool:
-        return self._consecutive == 0 and not self._escalate and not self._in_skipped_data(step)
-
-    def _in_skipped_data(self, step: int) -> bool:
-        return any(first <= step < end for first, end in self.skipped_data)
+    def _healthy(self) -> bool:
+        return self._consecutive == 0 and not self._escalate
 
     def _take_snapshot(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        first = self.snapshot.step is None
         self.snapshot.take(trainer, pl_module)
         self._trained_since_snapshot = False
-        if first:
-            size = self.snapshot.nbytes / 2**20
-            rank_zero_info(f"NaNRecovery: snapshots take {size:.1f} MiB of host memory per rank")
-
-    def _maybe_scale_lr(self, step: int, optimizer: Optimizer) -> None:
-        first, end = self._lr_scaled
-        if not first <= step < end or self.lr_scale == 1:
-            return
-        saved = [group["lr"] for group in optimizer.param_groups]
-        for group in optimizer.param_groups:
-            group["lr"] = group["lr"] * self.lr_scale  # a new object: the saved value stays intact
-        hook = optimizer.register_step_post_hook(lambda *_: self._restore_lrs())
-        self._saved_lrs = (optimizer, saved, hook)
-
-    def _restore_lrs(self) -> None:
-        """Put the scheduled LRs back right after the step, before the scheduler computes the next ones."""
-        if self._saved_lrs is None:
-            return
-        optimizer, saved, hook = self._saved_lrs
-        for group, lr in zip(optimizer.param_groups, saved, strict=True):
-            group["lr"] = lr
-        hook.remove()
-        self._saved_lrs = None
+        size = self.snapshot.nbytes
+        if size > self._reported_nbytes:  # the first one, and once the optimizer state exists
+            self._reported_nbytes = size
+            rank_zero_info(f"NaNRecovery: snapshots take {size / 2**20:.1f} MiB of host memory per rank")
 
     def _event(self, step: int, action: str, detail: str) -> None:
         self._events.append({"step": step, "action": action, "detail": detail})
 
     def _log(self, trainer: L.Trainer) -> None:
-        skipped_steps_of_data = sum(end - first for first, end in self.skipped_data)
         log_metrics(trainer, {
             "recovery/skipped_steps": self.skipped_steps, "recovery/spikes": self.spikes,
             "recovery/rollbacks": self.rollbacks,
-            "recovery/skipped_batches": skipped_steps_of_data * trainer.accumulate_grad_batches,
+            "recovery/skipped_batches": sum(batches for _, batches in self.skipped_data),
         })
 
     def _forensics(self, trainer: L.Trainer, reason: str, checkpoint: Path) -> dict[str, Any]:
@@ -355,7 +321,7 @@ class NaNRecovery(Callback):
             "snapshot_step": self.snapshot.step, "skipped_steps": self.skipped_steps, "spikes": self.spikes,
             "rollbacks": self.rollbacks, "bad_steps": list(self._bad_steps),
             "recent_steps": [{"step": s, "loss": loss, "grad_norm": norm} for s, loss, norm in self._recent],
-            "skipped_data": self.skipped_data, "tried": list(self._events), "rng": _rng_states(),
+            "skipped_data": self.skipped_data, "tried": list(self._events), "rng": rng_states(),
             "settings": {k: getattr(self, k) for k in (
                 "spike_threshold", "window", "min_window", "grad_norm_spikes", "max_consecutive_skips",
                 "max_skips_in_window", "skip_window", "snapshot_every", "skip_batches", "lr_scale",
@@ -406,26 +372,14 @@ def _found_inf(trainer: L.Trainer, optimizer: Optimizer, like: torch.Tensor) -> 
 
 
 def _json_safe(value: Any) -> Any:
-    """Non-finite floats as the strings "nan"/"inf"/"-inf" (strict JSON has no NaN)."""
+    """Non-finite floats as the strings "nan"/"inf"/"-inf" (strict JSON has no NaN), tensors (RNG states) as
+    base64 of their bytes."""
     if isinstance(value, float) and not math.isfinite(value):
         return str(value)
+    if isinstance(value, torch.Tensor):
+        return base64.b64encode(value.numpy().tobytes()).decode()
     if isinstance(value, dict):
         return {k: _json_safe(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
         return [_json_safe(v) for v in value]
     return value
-
-
-def _rng_states() -> dict[str, Any]:
-    """The RNG states of this process (rank zero), to replay the failing steps."""
-    def encode(state: torch.Tensor) -> str:
-        return base64.b64encode(state.numpy().tobytes()).decode()
-
-    numpy_state = np.random.get_state()
-    return {
-        "python": list(random.getstate()[1]),
-        "numpy": numpy_state[1].tolist(), "numpy_pos": int(numpy_state[2]),
-        "torch": encode(torch.get_rng_state()),
-        "torch_cuda": [encode(s) for s in torch.cuda.get_rng_state_all()] if torch.cuda.is_available()
-        else [],
-    }

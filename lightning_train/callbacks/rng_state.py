@@ -37,7 +37,7 @@ class RNGStateKeeper(L.Callback):
         self._to_restore: dict[str, Any] | None = None
 
     def state_dict(self) -> dict[str, Any]:
-        local = _collect()
+        local = rng_states()
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             # every rank writes the checkpoint dict; all of them take part so rank zero gets all states
             per_rank: list[Any] = [None] * dist.get_world_size()
@@ -63,7 +63,9 @@ class RNGStateKeeper(L.Callback):
             self._to_restore = None
 
 
-def _collect() -> dict[str, Any]:
+def rng_states() -> dict[str, Any]:
+    """This process's RNG states (torch CPU, CUDA when present, numpy, Python's ``random``) as tensors and
+    plain lists; ``NaNRecovery``'s forensic report holds them too."""
     kind, keys, pos, has_gauss, cached_gaussian = np.random.get_state()
     version, python_state, gauss = random.getstate()
     return {

@@ -23,26 +23,26 @@ from typing import Any
 
 import lightning as L
 import torch
+from lightning.fabric.utilities.throughput import get_available_flops
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
 
-from lightning_train.callbacks.grad_norm import log_metrics
+from lightning_train.callbacks._common import is_logging_step, log_metrics
 from lightning_train.errors import UserInputError
 
-# Dense (no sparsity) peak FLOP/s per device from the vendors' datasheets, by compute dtype; "tf32" is
-# fp32 matmuls on tensor cores. Matched against torch.cuda.get_device_name(), first match wins.
-PEAK_FLOPS: list[tuple[str, dict[str, float]]] = [
+# Dense (no sparsity) peak FLOP/s per GPU from the vendors' datasheets, by compute dtype ("tf32": fp32
+# matmuls on tensor cores), for what Lightning's ``get_available_flops`` lacks or misreads: it finds no
+# "NVIDIA H200" / "H200 NVL" (it expects "sxm1"/"nvl1" in the name), gives the H100 NVL the with-sparsity
+# figures of a GPU pair, reads "L40S" as an L4 and knows no A10. Matched against
+# torch.cuda.get_device_name(), first match wins; every other GPU is Lightning's.
+ADDED_PEAK_FLOPS: list[tuple[str, dict[str, float]]] = [
     (r"h200 nvl|h100 nvl", {"bf16": 835.5e12, "fp16": 835.5e12, "tf32": 417.5e12, "fp32": 60e12}),
-    (r"h200|h100.*(sxm|hbm3)", {"bf16": 989.4e12, "fp16": 989.4e12, "tf32": 494.7e12, "fp32": 66.9e12}),
-    (r"h100", {"bf16": 756e12, "fp16": 756e12, "tf32": 378e12, "fp32": 51.2e12}),  # PCIe
-    (r"a100", {"bf16": 312e12, "fp16": 312e12, "tf32": 156e12, "fp32": 19.5e12}),
+    (r"h200", {"bf16": 989.4e12, "fp16": 989.4e12, "tf32": 494.7e12, "fp32": 66.9e12}),
     (r"l40s", {"bf16": 362e12, "fp16": 362e12, "tf32": 183e12, "fp32": 91.6e12}),
-    (r"\bl4\b", {"bf16": 121e12, "fp16": 121e12, "tf32": 60e12, "fp32": 30.3e12}),
     (r"\ba10\b", {"bf16": 125e12, "fp16": 125e12, "tf32": 62.5e12, "fp32": 31.2e12}),
-    (r"v100", {"fp16": 125e12, "fp32": 15.7e12}),
-    (r"\bt4\b", {"fp16": 65e12, "fp32": 8.1e12}),
 ]
+_TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp64": torch.float64}
 
 
 class ThroughputMonitor(Callback):
@@ -56,7 +56,8 @@ class ThroughputMonitor(Callback):
 
     MFU is model FLOPs (``flops_per_token(seq_len)`` of the LightningModule or its ``.model``, e.g.
     ``GPT``: 6 per weight plus attention) per second over the peak of all devices: ``peak_flops``
-    per device if given, else the datasheet value of the GPU and the Trainer's precision. It is not
+    per device if given, else the GPU's datasheet value in the Trainer's precision (Lightning's
+    ``get_available_flops``, plus ``ADDED_PEAK_FLOPS`` for the GPUs it lacks). It is not
     logged when either is unknown (e.g. on CPU without ``peak_flops``). Nothing is checkpointed: after
     a resume the first interval starts at the resumed step.
 
@@ -108,8 +109,7 @@ class ThroughputMonitor(Callback):
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         steps = trainer.global_step - self._start_step
-        interval = self.log_every_n_steps or trainer.log_every_n_steps
-        if steps == 0 or trainer.global_step % interval != 0:
+        if steps == 0 or not is_logging_step(trainer, self.log_every_n_steps):
             return
         _synchronize(trainer.strategy.root_device)
         seconds = time.perf_counter() - self._start - self._excluded
@@ -149,31 +149,34 @@ class ThroughputMonitor(Callback):
         return batch[0] if isinstance(batch, (list, tuple)) else batch
 
 
-def datasheet_peak_flops(device_name: str, precision: str) -> float | None:
-    """Peak FLOP/s of one GPU named ``device_name`` (``torch.cuda.get_device_name()``) in the Trainer's
-    ``precision`` ("bf16-mixed", "16-mixed", "32-true", ...), from ``PEAK_FLOPS``; None when unknown."""
-    if precision.startswith("bf16"):
-        dtype = "bf16"
-    elif precision.startswith("16"):
-        dtype = "fp16"
-    elif precision.startswith("32"):
-        dtype = "fp32" if torch.get_float32_matmul_precision() == "highest" else "tf32"
-    else:
+def device_peak_flops(device: torch.device, precision: str) -> float | None:
+    """Peak FLOP/s of one ``device`` in the Trainer's ``precision`` ("bf16-mixed", "16-mixed", "32-true",
+    ...): ``ADDED_PEAK_FLOPS``, else Lightning's ``get_available_flops``; None when unknown (CPUs)."""
+    dtype = _compute_dtype(precision)
+    if device.type != "cuda" or dtype is None:
         return None
-    table = next((flops for pattern, flops in PEAK_FLOPS if re.search(pattern, device_name.lower())), None)
-    if table is not None and dtype == "tf32" and dtype not in table:  # no tensor-core fp32 (pre-Ampere)
-        dtype = "fp32"
-    return table.get(dtype) if table is not None else None
+    name = torch.cuda.get_device_name(device)
+    added = next((flops for pattern, flops in ADDED_PEAK_FLOPS if re.search(pattern, name.lower())), None)
+    if added is not None:
+        tf32 = dtype == "fp32" and torch.get_float32_matmul_precision() != "highest"  # Hopper/Ada/Ampere
+        return added["tf32" if tf32 else dtype]
+    peak = get_available_flops(device, _TORCH_DTYPES[dtype])  # handles TF32 itself
+    return float(peak) if peak is not None else None
+
+
+def _compute_dtype(precision: str) -> str | None:
+    for prefix, dtype in (("bf16", "bf16"), ("16", "fp16"), ("32", "fp32"), ("64", "fp64")):
+        if precision.startswith(prefix):
+            return dtype
+    return None
 
 
 def _device_peak_flops(device: torch.device, precision: str) -> float | None:
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    peak = datasheet_peak_flops(name, precision)
-    if peak is None:
-        rank_zero_warn(f"ThroughputMonitor knows no peak FLOP/s of {name!r} in precision {precision!r}, so "
-                       "perf/mfu is not logged; pass peak_flops=<FLOP/s of one device> to get it.")
+    peak = device_peak_flops(device, precision)
+    if peak is None and device.type == "cuda":
+        rank_zero_warn(f"ThroughputMonitor knows no peak FLOP/s of {torch.cuda.get_device_name(device)!r} in "
+                       f"precision {precision!r}, so perf/mfu is not logged; pass peak_flops=<FLOP/s of one "
+                       "device> to get it.")
     return peak
 
 

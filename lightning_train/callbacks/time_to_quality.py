@@ -23,7 +23,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_only
 
-from lightning_train.callbacks.grad_norm import log_metrics
+from lightning_train.callbacks._common import log_metrics
 from lightning_train.errors import UserInputError
 
 RESULT_FILE = "time_to_quality.json"

@@ -1,14 +1,8 @@
 """Lightning plugins: ``AmpPrecision`` (mixed precision with real loss scaling on every device) and the
-skipped-step mechanism shared with the recovery callbacks."""
+step-control object through which callbacks skip a step or scale the LR (``step_control(trainer)``).
+The checkpoint plugin, ``AtomicCheckpointIO``, lives in ``lightning_train.checkpoint``."""
 
-from lightning_train.plugins.precision import (
-    AmpPrecision,
-    HeldLRScheduler,
-    hold_lr_schedulers_on_skipped_steps,
-    skip_optimizer_step,
-)
+from lightning_train.plugins.precision import AmpPrecision
+from lightning_train.plugins.step_control import StepControl, step_control
 
-__all__ = [
-    "AmpPrecision", "HeldLRScheduler", "hold_lr_schedulers_on_skipped_steps",
-    "skip_optimizer_step",
-]
+__all__ = ["AmpPrecision", "StepControl", "step_control"]

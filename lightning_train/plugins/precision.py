@@ -8,13 +8,9 @@
   leaves them scaled for fused AdamW, so callbacks and gradient clipping would see scaled values);
 * a step the scaler skips (inf/NaN gradients) holds the LR schedulers (Lightning advances them).
 
-Skipping a step is one mechanism shared by the scaler and by ``NaNRecovery``: ``skip_optimizer_step``.
-A skipped step changes nothing: every gradient of the optimizer is dropped (``grad = None``, which any
-torch optimizer skips entirely: no moment update, no step count, no weight decay — unlike zeroing, since
-NaN * 0 is NaN), and the LR schedulers of that optimizer are held. Schedulers are held by
-``HeldLRScheduler``, a thin wrapper that steps the real scheduler only if its optimizer took a real step
-since the scheduler's last step (counted by an optimizer step post-hook: free, no host sync);
-checkpoints keep the wrapped scheduler's plain ``state_dict``.
+The plugin owns the Trainer's step-control object (``self.step_control``, see
+``lightning_train.plugins.step_control``): the scaler's overflow steps and the steps a callback skips
+(``NaNRecovery``) are skipped through it, the same way.
 
     >>> import lightning as L
     >>> from lightning_train.plugins import AmpPrecision
@@ -22,15 +18,10 @@ checkpoints keep the wrapped scheduler's plain ``state_dict``.
     >>> trainer = L.Trainer(plugins=[plugin], accelerator="cpu", max_steps=10)  # doctest: +SKIP
     >>> plugin.scaler.get_scale()
     1024.0
-
-``trainer.global_step`` counts optimizer steps *attempted*, skipped ones included (as Megatron and
-DeepSpeed do): ``max_steps``, logging, validation and checkpoint intervals keep following the data.
-The LR schedule follows the real steps.
 """
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -42,6 +33,7 @@ from lightning.pytorch.utilities import GradClipAlgorithmType
 from torch.optim import LBFGS, Optimizer
 
 from lightning_train.errors import UserInputError
+from lightning_train.plugins.step_control import StepControl, step_control
 
 
 class AmpPrecision(MixedPrecision):
@@ -77,12 +69,13 @@ class AmpPrecision(MixedPrecision):
                 growth_interval=growth_interval,
             )
         super().__init__(precision, device, scaler)
+        self.step_control = StepControl()
 
     def optimizer_step(  # type: ignore[override]
         self, optimizer: Optimizer, model: L.LightningModule, closure: Callable[[], Any], **kwargs: Any
     ) -> Any:
         if isinstance(model, L.LightningModule):
-            hold_lr_schedulers_on_skipped_steps(model.trainer)
+            step_control(model.trainer)  # hooked into this fit's optimizers and schedulers
         if self.scaler is None:  # bf16: nothing to unscale; Lightning's path (closure inside step())
             return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
         if isinstance(optimizer, LBFGS):
@@ -93,14 +86,13 @@ class AmpPrecision(MixedPrecision):
             return None
         self.scaler.unscale_(optimizer)  # before the hooks, fused optimizers included
         self._after_closure(model, optimizer)  # on_before_optimizer_step callbacks, then clipping
-        trainer = model.trainer
-        if skip_requested(trainer, optimizer):
+        if self.step_control.skipped(optimizer):
             # Skipped by a callback (NaNRecovery): the scaler stays exactly as it was (scale, growth tracker).
             self.scaler.update(self.scaler._get_scale_async())
             return None
         found_inf = sum(self.scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values())
         if found_inf.item():  # the one host read; FSDP2's DTensor grads reduce found_inf over the mesh
-            skip_optimizer_step(trainer, optimizer)
+            self.step_control.skip(optimizer)
             self.scaler.update()  # backs the scale off
             return None
         output = optimizer.step(**kwargs)  # gradients are unscaled and finite: a plain step (fused too)
@@ -115,95 +107,6 @@ class AmpPrecision(MixedPrecision):
     ) -> None:
         # Gradients are always unscaled here, so fused optimizers can be clipped (Lightning refuses).
         Precision.clip_gradients(self, optimizer, clip_val, gradient_clip_algorithm)
-
-
-# ---- skipping an optimizer step -------------------------------------------------------------------------
-
-
-class _StepCounter:
-    """Counts the real steps of one optimizer (a step post-hook) and remembers a requested skip."""
-
-    def __init__(self, trainer: L.Trainer, optimizer: Optimizer) -> None:
-        self._trainer = weakref.ref(trainer)
-        self.real_steps = 0
-        self.skipped_at: int | None = None  # trainer.global_step of the step skip_optimizer_step dropped
-        optimizer.register_step_post_hook(self._after_step)
-
-    def skip_requested(self) -> bool:
-        trainer = self._trainer()
-        return trainer is not None and self.skipped_at == trainer.global_step
-
-    def _after_step(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
-        # Lightning's own paths call step() even on a skipped step (the closure runs inside it), with
-        # every gradient dropped: that call changes nothing and is not a real step.
-        if not self.skip_requested():
-            self.real_steps += 1
-
-
-_COUNTERS: weakref.WeakKeyDictionary[Optimizer, _StepCounter] = weakref.WeakKeyDictionary()
-
-
-class HeldLRScheduler:
-    """An LR scheduler that does not advance over skipped optimizer steps.
-
-    ``step()`` steps the wrapped scheduler only if its optimizer took a real step since the last
-    ``step()``; everything else (``state_dict``, ``get_last_lr``, ``optimizer``, ...) is the wrapped
-    scheduler's, so checkpoints hold its plain state.
-    """
-
-    def __init__(self, scheduler: Any, counter: _StepCounter) -> None:
-        self.scheduler = scheduler
-        self._counter = counter
-        self._seen_steps = counter.real_steps
-
-    def step(self, *args: Any, **kwargs: Any) -> None:
-        if self._counter.real_steps == self._seen_steps:
-            return  # every optimizer step since the last call was skipped
-        self._seen_steps = self._counter.real_steps
-        self.scheduler.step(*args, **kwargs)
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.scheduler.state_dict()
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.scheduler.load_state_dict(state_dict)
-
-    def __getattr__(self, name: str) -> Any:
-        if name in ("scheduler", "_counter", "_seen_steps"):  # not set yet (copy/unpickle)
-            raise AttributeError(name)
-        return getattr(self.scheduler, name)
-
-    def __repr__(self) -> str:
-        return f"HeldLRScheduler({self.scheduler!r})"
-
-
-def hold_lr_schedulers_on_skipped_steps(trainer: L.Trainer) -> None:
-    """Count the real steps of the Trainer's optimizers and wrap its LR schedulers in ``HeldLRScheduler``.
-    Idempotent and cheap; ``AmpPrecision``, ``NaNRecovery`` and ``LossScaleMonitor`` call it."""
-    for optimizer in trainer.optimizers:
-        if optimizer not in _COUNTERS:
-            _COUNTERS[optimizer] = _StepCounter(trainer, optimizer)
-    for config in trainer.lr_scheduler_configs:
-        optimizer = getattr(config.scheduler, "optimizer", None)
-        if not isinstance(config.scheduler, HeldLRScheduler) and optimizer in _COUNTERS:
-            config.scheduler = HeldLRScheduler(config.scheduler, _COUNTERS[optimizer])
-
-
-def skip_optimizer_step(trainer: L.Trainer, optimizer: Optimizer) -> None:
-    """Make the current step of ``optimizer`` change nothing: its gradients are dropped (whether or not
-    ``step()`` still runs, parameters and optimizer state stay bit-identical) and its LR schedulers hold.
-    Call it on every rank, after backward and before the step (e.g. in ``on_before_optimizer_step``)."""
-    hold_lr_schedulers_on_skipped_steps(trainer)
-    for group in optimizer.param_groups:
-        for param in group["params"]:
-            param.grad = None
-    _COUNTERS[optimizer].skipped_at = trainer.global_step
-
-
-def skip_requested(trainer: L.Trainer, optimizer: Optimizer) -> bool:
-    """Whether ``skip_optimizer_step`` dropped the current step of ``optimizer``."""
-    counter = _COUNTERS.get(optimizer)
-    return counter is not None and counter.skip_requested()
 
 
 def amp_for_precision_flag(precision: Any, accelerator: Any) -> AmpPrecision | None:

@@ -24,7 +24,7 @@ class InjectFault(Callback):
     kinds: ``nan_loss`` (the module's output becomes NaN, so loss and gradients do), ``spike`` (the
     output is multiplied by ``factor``: a finite, much larger loss), ``inf_grad`` (one gradient entry of
     the parameters whose name contains ``param`` becomes inf, after backward).
-    Records ``seen_batches``: the first token of every batch it saw, by optimizer step.
+    Records ``trained_batches``: ``(global_step, input_ids)`` of every batch that reached ``training_step``.
     """
 
     def __init__(
@@ -41,6 +41,7 @@ class InjectFault(Callback):
         self.rank, self.param, self.factor = rank, param, factor
         self._hook: Any = None
         self.injected: list[int] = []
+        self.trained_batches: list[tuple[int, torch.Tensor]] = []
 
     def _active(self, trainer: L.Trainer) -> bool:
         step = trainer.global_step
@@ -51,6 +52,7 @@ class InjectFault(Callback):
     def on_train_batch_start(
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
     ) -> None:
+        self.trained_batches.append((trainer.global_step, batch["input_ids"].clone()))
         if self.kind in ("nan_loss", "spike") and self._active(trainer):
             factor = float("nan") if self.kind == "nan_loss" else self.factor
             self._hook = pl_module.register_forward_hook(lambda module, args, output: output * factor)

@@ -1,0 +1,30 @@
+"""Helpers shared by the callbacks: sending metrics to the loggers, "is this a logging step", local shards."""
+
+from __future__ import annotations
+
+import lightning as L
+import torch
+from torch.distributed.tensor import DTensor
+
+
+def log_metrics(trainer: L.Trainer, metrics: dict[str, float]) -> None:
+    """Send ``metrics`` to every logger at the step Lightning logs ``train/loss`` of this batch with
+    (what its own LearningRateMonitor does), so the values share one row/step."""
+    step = trainer.fit_loop.epoch_loop._batches_that_stepped
+    for logger in trainer.loggers:
+        logger.log_metrics(metrics, step=step)
+
+
+def is_logging_step(trainer: L.Trainer, every: int | None = None, *, before_step: bool = False) -> bool:
+    """Whether this batch's optimizer step is a logging step: the N-th, 2N-th, ... optimizer step, with
+    N = ``every`` or the Trainer's ``log_every_n_steps`` (Lightning logs ``train/loss`` on the same ones).
+
+    ``before_step``: called before the step is counted (``on_before_optimizer_step``); otherwise after it
+    (``on_train_batch_end``, where ``global_step`` already includes it)."""
+    steps_done = trainer.global_step + 1 if before_step else trainer.global_step
+    return steps_done % (every or trainer.log_every_n_steps) == 0
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``tensor``: the local shard of a DTensor (FSDP2), else the tensor itself."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
