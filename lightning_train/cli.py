@@ -26,6 +26,7 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.plugins import CheckpointIO, Precision
 from lightning.pytorch.plugins.environments import ClusterEnvironment, SLURMEnvironment
 
+from lightning_train._warnings import plain_package_warnings
 from lightning_train.callbacks import PreemptionCheckpoint, RNGStateKeeper, TokenProgressBar, TrainingAborted
 from lightning_train.errors import UserInputError
 from lightning_train.plugins import AtomicCheckpointIO
@@ -168,13 +169,16 @@ _POSITIONAL_TOOLS = {"report"}  # `report RUN_DIR`; the others take --name value
 
 def main(argv: list[str] | None = None) -> None:
     atexit.register(leave_process_group)  # whatever the strategy: see leave_process_group
+    plain_package_warnings()
     args = sys.argv[1:] if argv is None else argv
     try:
         tools = _tools()
         if args and args[0] in tools:
             positional = args[0] in _POSITIONAL_TOOLS
-            CLI(tools[args[0]], args=args[1:], as_positional=positional, parser_class=_ToolParser,
-                prog=f"python -m lightning_train {args[0]}")
+            result = CLI(tools[args[0]], args=args[1:], as_positional=positional, parser_class=_ToolParser,
+                         prog=f"python -m lightning_train {args[0]}")
+            if args[0] == "prepare":
+                print(result)  # what it wrote, after its progress bar
         else:
             LightningTrainCLI(args=argv)  # None: LightningCLI reads sys.argv itself
     except UserInputError as error:
