@@ -58,21 +58,28 @@ class PreparedDataset:
         return self.train_tokens + self.val_tokens
 
     def __str__(self) -> str:
-        total = max(self.total_tokens, 1)
-        lines = [
-            f"wrote {self.output_dir}/ in {self.seconds:.1f} s: {self.total_tokens:,} tokens from "
-            f"{self.input_files:,} input files ({self.input_bytes / 1e6:,.1f} MB), tokenizer "
-            f"{self.tokenizer} (vocab_size {self.vocab_size:,})"
-        ]
+        lines = [f"wrote {self.output_dir} ({self.total_tokens:,} tokens from {self.input_files:,} files, "
+                 f"{_size(self.input_bytes)}, in {self.seconds:.1f} s; {self.tokenizer} tokenizer, "
+                 f"vocab_size {self.vocab_size:,})"]
+        width = len(f"{self.total_tokens:,}")
         for split, tokens in (("train", self.train_tokens), ("val", self.val_tokens)):
             files = [name for name in self.shard_files if name.startswith(f"{split}_")]
-            where = files[0] if len(files) == 1 else f"{files[0]} .. {files[-1]}" if files else "no files"
-            lines.append(f"  {split:<5} {tokens:>14,} tokens ({tokens / total:6.2%})  "
-                         f"{len(files)} shard{'s' if len(files) != 1 else ''}: {where}")
-        lines.append("  meta.json      describes them (read by TextDataModule)")
+            share = tokens / max(self.total_tokens, 1)
+            lines.append(f"  {split:<5} {tokens:>{width},} tokens {share:6.1%}  {_file_range(files)}")
+        lines.append("  meta.json (tokenizer, vocabulary, shard list)")
         lines.append("train on it: python -m lightning_train fit --config configs/pretrain-tiny.yaml "
                      f"--data.init_args.data_dir {self.output_dir}")
         return "\n".join(lines)
+
+
+def _size(num_bytes: int) -> str:
+    return f"{num_bytes / 1e6:,.1f} MB" if num_bytes >= 1e6 else f"{num_bytes / 1e3:.1f} kB"
+
+
+def _file_range(names: list[str]) -> str:
+    if len(names) <= 1:
+        return names[0] if names else "no file"
+    return f"{names[0]} .. {names[-1]} ({len(names)} files)"
 
 
 def prepare(
