@@ -13,6 +13,7 @@ import re
 import signal
 import subprocess
 import sys
+import textwrap
 import threading
 import time
 from pathlib import Path
@@ -149,3 +150,33 @@ def test_prepare_ends_with_what_it_wrote(tmp_path: Path) -> None:
     assert re.fullmatch(rf"  train +{split['train']:,} tokens +\d+\.\d%  train_00000\.bin", summary[1]), shown
     assert re.fullmatch(rf"  val +{split['val']:,} tokens +\d+\.\d%  val_00000\.bin", summary[2]), shown
     assert shown.splitlines()[-1].endswith(f"--data.init_args.data_dir {out}")
+
+
+def test_filters_drop_only_the_known_messages(tmp_path: Path) -> None:
+    """Each filter names one message of one module or logger: another warning from the same place, or the
+    same text from elsewhere, still reaches the console."""
+    script = tmp_path / "noise.py"
+    script.write_text(textwrap.dedent("""\
+        import logging, warnings
+        import lightning_train  # installs the filters
+
+        vital = "torchdata.stateful_dataloader.stateful_dataloader"
+        warnings.warn_explicit("'set_vital' is deprecated, please do not call", UserWarning, "x.py", 1, vital)
+        warnings.warn_explicit("a real torchdata warning", UserWarning, "x.py", 2, vital)
+        warnings.warn_explicit("'set_vital' is deprecated (elsewhere)", UserWarning, "y.py", 3, "mine")
+        tips = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+        tips.addHandler(logging.StreamHandler())
+        tips.setLevel(logging.INFO)
+        tips.info("💡 Tip: For seamless cloud uploads, try installing [litmodels](https://x)")
+        tips.info("Seed set to 1234")
+        ao = logging.getLogger("torchao")
+        ao.warning("Failed to load /x/torchao/_C_cutlass_90a.abi3.so: Could not load this library")
+        ao.warning("Failed to load /x/torchao/_C_something_new.so: a real problem")
+    """))
+    result = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env(), capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    shown = result.stderr
+    assert "a real torchdata warning" in shown and "'set_vital' is deprecated (elsewhere)" in shown
+    assert "Seed set to 1234" in shown and "_C_something_new.so: a real problem" in shown
+    assert "please do not call" not in shown and "Tip" not in shown and "cutlass" not in shown, shown
