@@ -1,5 +1,6 @@
 """lightning_train: train language models with PyTorch Lightning, from pretraining to fine-tuning."""
 
+from lightning_train._warnings import silence_known_noise
 from lightning_train.data import SFTDataModule, TextDataModule
 from lightning_train.errors import UserInputError
 from lightning_train.models import GPT, GPTConfig
@@ -17,3 +18,5 @@ __all__ = [
     "UserInputError",
 ]
 __version__ = "0.1.0"
+
+silence_known_noise()  # filters scoped to known dependency messages; see _warnings.py

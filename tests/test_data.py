@@ -66,7 +66,7 @@ def dataset(tmp_path: Path) -> Path:
     """~4k byte tokens: about 230 train windows of 16 tokens (58 batches of 4), some val windows."""
     src = tmp_path / "src.jsonl"
     src.write_text("".join(json.dumps({"text": d}) + "\n" for d in sentences(30)))
-    return prepare([str(src)], tmp_path / "data", val_fraction=0.1, num_workers=0)
+    return prepare([str(src)], tmp_path / "data", val_fraction=0.1, num_workers=0).output_dir
 
 
 def train_hf_tokenizer(folder: Path) -> Path:
@@ -130,7 +130,7 @@ def test_load_tokenizer_missing(tmp_path: Path):
 
 def test_prepare_round_trip(tmp_path: Path, corpus):
     inputs, docs = corpus
-    out = prepare(inputs, tmp_path / "data", val_fraction=0.0, num_workers=0)
+    out = prepare(inputs, tmp_path / "data", val_fraction=0.0, num_workers=0).output_dir
     meta = read_meta(out)
     assert meta["tokenizer"] == "byte" and meta["vocab_size"] == 258 and meta["dtype"] == "uint16"
     assert [s["file"] for s in meta["shards"]] == ["train_00000.bin"]
@@ -142,8 +142,8 @@ def test_prepare_round_trip(tmp_path: Path, corpus):
 
 def test_prepare_split_shards_and_determinism(tmp_path: Path, corpus):
     inputs, docs = corpus
-    a = prepare(inputs, tmp_path / "a", val_fraction=0.25, shard_tokens=300, num_workers=0)
-    b = prepare(inputs, tmp_path / "b", val_fraction=0.25, shard_tokens=300, num_workers=2)  # a real pool
+    a = prepare(inputs, tmp_path / "a", val_fraction=0.25, shard_tokens=300, num_workers=0).output_dir
+    b = prepare(inputs, tmp_path / "b", val_fraction=0.25, shard_tokens=300, num_workers=2).output_dir  # pool
     meta = read_meta(a)
     assert all(s["num_tokens"] <= 300 for s in meta["shards"]) and len(meta["shards"]) > 4
     for split in ("train", "val"):
@@ -160,10 +160,10 @@ def test_prepare_streams_big_file_in_pieces(tmp_path: Path):
     text = "".join(sentences(2000))  # ~50 KB of multi-byte text: several pieces cut at line ends
     assert len(text.encode()) > 3 * PIECE_BYTES
     (tmp_path / "big.txt").write_text(text, encoding="utf-8")
-    out = prepare([str(tmp_path / "big.txt")], tmp_path / "data", val_fraction=0.0, num_workers=0)
+    out = prepare([str(tmp_path / "big.txt")], tmp_path / "data", val_fraction=0.0, num_workers=0).output_dir
     assert ByteTokenizer().decode(read_split(out, "train").tolist()) == text + EOS
     # with a split, pieces of one document go to both; the jumps are marked by eos, no text is lost
-    out = prepare([str(tmp_path / "big.txt")], tmp_path / "split", val_fraction=0.1, num_workers=0)
+    out = prepare([str(tmp_path / "big.txt")], tmp_path / "split", val_fraction=0.1, num_workers=0).output_dir
     train, val = read_split(out, "train"), read_split(out, "val")
     assert len(val) > 0 and len(train) + len(val) > len(text.encode())
     both = np.concatenate([train, val])
@@ -179,6 +179,7 @@ def test_dtype_follows_vocab_size(tmp_path: Path):
     tok.save(str(tmp_path / "tokenizer.json"))
     (tmp_path / "doc.txt").write_text("w69999 w2 w65536")
     out = prepare([str(tmp_path / "doc.txt")], tmp_path / "data", str(tmp_path / "tokenizer.json"), 0.0)
+    out = out.output_dir
     meta = read_meta(out)
     assert meta["dtype"] == "uint32" and meta["vocab_size"] == 70_000
     assert read_split(out, "train").tolist() == [69999, 2, 65536, 0]
@@ -203,7 +204,7 @@ def test_prepare_bad_inputs(tmp_path: Path):
         prepare([str(bad)], tmp_path / "out")
     assert f"{bad}:3" in str(err.value) and "'text'" in str(err.value)
     bad.write_text('{"body": "fine"}\n')
-    assert prepare([str(bad)], tmp_path / "out", jsonl_field="body").is_dir()
+    assert prepare([str(bad)], tmp_path / "out", jsonl_field="body").output_dir.is_dir()
     with pytest.raises(UserInputError, match="val_fraction=1.0"):
         prepare([str(bad)], tmp_path / "out2", val_fraction=1.0)
     assert sorted(p.name for p in tmp_path.iterdir()) == [

@@ -25,7 +25,7 @@ def dataset(tmp_path: Path) -> Path:
     """~4k byte tokens: 240 train windows of 16 tokens (60 batches of 4)."""
     src = tmp_path / "src.jsonl"
     src.write_text("".join(json.dumps({"text": d}) + "\n" for d in sentences(30)))
-    return prepare([str(src)], tmp_path / "data", val_fraction=0.1, num_workers=0)
+    return prepare([str(src)], tmp_path / "data", val_fraction=0.1, num_workers=0).output_dir
 
 
 def text_loader(dataset: Path, rank: int = 0, world_size: int = 1, num_workers: int = 0, **kwargs):
@@ -242,7 +242,7 @@ def test_cli_resumes_across_device_counts_and_strategies(tmp_path: Path):
     ranks train on, step by step, are the documented global order: nothing repeated, nothing skipped."""
     src = tmp_path / "src.jsonl"
     src.write_text("".join(json.dumps({"text": d}) + "\n" for d in sentences(120)))
-    data = prepare([str(src)], tmp_path / "data", val_fraction=0.1, num_workers=0)
+    data = prepare([str(src)], tmp_path / "data", val_fraction=0.1, num_workers=0).output_dir
     log = tmp_path / "log"
     common = [
         sys.executable, "-m", "lightning_train", "fit", "--config", str(REPO / "configs/pretrain-tiny.yaml"),

@@ -35,7 +35,8 @@ def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     words, rng = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta"], random.Random(0)
     lines = [json.dumps({"text": " ".join(rng.choice(words) for _ in range(4))}) for _ in range(60)]
     (folder / "docs.jsonl").write_text("\n".join(lines) + "\n")
-    return prepare([str(folder / "docs.jsonl")], str(folder / "tokens"), val_fraction=0.2, num_workers=0)
+    tokens = prepare([str(folder / "docs.jsonl")], str(folder / "tokens"), val_fraction=0.2, num_workers=0)
+    return tokens.output_dir
 
 
 def write_config(folder: Path, data_dir: Path, devices: int = 1, callbacks: tuple[dict, ...] = (),

@@ -54,7 +54,7 @@ def small_dataset(tmp_path_factory) -> Path:
     from lightning_train.data import prepare
 
     folder = tmp_path_factory.mktemp("data")
-    return prepare([str(REPO / "lightning_train" / "models")], folder / "tokens", num_workers=0)
+    return prepare([str(REPO / "lightning_train" / "models")], folder / "tokens", num_workers=0).output_dir
 
 
 def test_single_process_ddp_and_fsdp_agree_step_by_step(tmp_path, small_dataset):

@@ -281,7 +281,7 @@ class NaNRecovery(Callback):
         folder = Path(dirpath or Path(trainer.default_root_dir, "checkpoints"))
         checkpoint = folder / f"nan-recovery-abort-step={step}.ckpt"
         forensics = Path(trainer.log_dir or trainer.default_root_dir) / FORENSICS_FILE
-        trainer.save_checkpoint(checkpoint)  # every rank (collective for sharded strategies)
+        trainer.save_checkpoint(checkpoint, weights_only=False)  # every rank (collective when sharded)
         if trainer.is_global_zero:
             forensics.parent.mkdir(parents=True, exist_ok=True)
             report = _json_safe(self._forensics(trainer, reason, checkpoint))

@@ -88,7 +88,7 @@ class PreemptionCheckpoint(Checkpoint):
             return
         path = str(self._checkpoint_path(trainer))
         rank_zero_info(f"Preempted ({self._requested or 'signal on another rank'}): saving {path}")
-        trainer.save_checkpoint(path)
+        trainer.save_checkpoint(path, weights_only=False)  # full state; passed, or Lightning logs its default
         rank_zero_info(f"Saved at step {trainer.global_step}; exiting with code {PREEMPTED_EXIT_CODE}")
         raise Preempted(path)
 

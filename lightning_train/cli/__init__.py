@@ -15,6 +15,7 @@ import atexit
 import importlib
 import sys
 
+from lightning_train._warnings import plain_package_warnings
 from lightning_train.callbacks import TrainingAborted
 from lightning_train.cli._parsers import TOOLS
 from lightning_train.cli.trainer import LightningTrainCLI
@@ -26,6 +27,7 @@ __all__ = ["LightningTrainCLI", "main"]
 
 def main(argv: list[str] | None = None) -> None:
     atexit.register(leave_process_group)  # whatever the strategy: see leave_process_group
+    plain_package_warnings()
     args = sys.argv[1:] if argv is None else argv
     try:
         if args and args[0] in TOOLS:

@@ -7,4 +7,4 @@ from lightning_train.data import prepare
 
 
 def main(args: list[str]) -> None:
-    prepare(**parse_tool_args(prepare, args, "prepare"))
+    print(prepare(**parse_tool_args(prepare, args, "prepare")))  # what it wrote, after its bar

@@ -45,7 +45,8 @@ def default_corpus_dir() -> Path:
         return out
     try:
         # In-process: encoding bytes is cheaper than shipping the text to worker processes.
-        return prepare([str(path) for path in stdlib_sources()], str(out), tokenizer="byte", num_workers=0)
+        sources = [str(path) for path in stdlib_sources()]
+        return prepare(sources, str(out), tokenizer="byte", num_workers=0).output_dir
     except UserInputError:
         if (out / "meta.json").is_file():  # another process won the race
             return out

@@ -19,8 +19,10 @@ import multiprocessing
 import os
 import shutil
 import tempfile
+import time
 from collections import deque
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -37,6 +39,49 @@ SPLITS = ("train", "val")
 PREPARE_HINT = "python -m lightning_train prepare --inputs '[<text files or folders>]' --output_dir {}"
 
 
+@dataclass(frozen=True)
+class PreparedDataset:
+    """What ``prepare`` wrote. ``str()`` is its closing summary, which the CLI prints."""
+
+    output_dir: Path
+    input_files: int
+    input_bytes: int
+    tokenizer: str
+    vocab_size: int
+    train_tokens: int  # as in meta.json: the document-end tokens included
+    val_tokens: int
+    shard_files: tuple[str, ...]  # the token files, in meta.json's order (train first)
+    seconds: float
+
+    @property
+    def total_tokens(self) -> int:
+        return self.train_tokens + self.val_tokens
+
+    def __str__(self) -> str:
+        lines = [f"wrote {self.output_dir} ({self.total_tokens:,} tokens from {self.input_files:,} files, "
+                 f"{_size(self.input_bytes)}, in {self.seconds:.1f} s; {self.tokenizer} tokenizer, "
+                 f"vocab_size {self.vocab_size:,})"]
+        width = len(f"{self.total_tokens:,}")
+        for split, tokens in (("train", self.train_tokens), ("val", self.val_tokens)):
+            files = [name for name in self.shard_files if name.startswith(f"{split}_")]
+            share = tokens / max(self.total_tokens, 1)
+            lines.append(f"  {split:<5} {tokens:>{width},} tokens {share:6.1%}  {_file_range(files)}")
+        lines.append("  meta.json (tokenizer, vocabulary, shard list)")
+        lines.append("train on it: python -m lightning_train fit --config configs/pretrain-tiny.yaml "
+                     f"--data.init_args.data_dir {self.output_dir}")
+        return "\n".join(lines)
+
+
+def _size(num_bytes: int) -> str:
+    return f"{num_bytes / 1e6:,.1f} MB" if num_bytes >= 1e6 else f"{num_bytes / 1e3:.1f} kB"
+
+
+def _file_range(names: list[str]) -> str:
+    if len(names) <= 1:
+        return names[0] if names else "no file"
+    return f"{names[0]} .. {names[-1]} ({len(names)} files)"
+
+
 def prepare(
     inputs: list[str],
     output_dir: str,
@@ -46,8 +91,9 @@ def prepare(
     num_workers: int | None = None,
     shard_tokens: int = 50_000_000,
     overwrite: bool = False,
-) -> Path:
-    """Tokenize text files, folders and JSONL files into token shards in ``output_dir``; returns its path.
+) -> PreparedDataset:
+    """Tokenize text files, folders and JSONL files into token shards in ``output_dir``; returns what it
+    wrote (``.output_dir`` is the dataset folder). Prints nothing but its progress bar.
 
     Args:
         inputs: text files, folders (text-like files inside, recursively, sorted) and ``.jsonl`` files.
@@ -75,6 +121,7 @@ def prepare(
         )
     if num_workers < 0:
         raise UserInputError(f"num_workers={num_workers} is negative; use 0 to tokenize in this process")
+    started = time.perf_counter()
     out = Path(output_dir).expanduser().resolve()
     if out.exists() and not overwrite and (not out.is_dir() or any(out.iterdir())):
         raise UserInputError(
@@ -102,7 +149,14 @@ def prepare(
         _publish(tmp, out, overwrite)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # only exists here after a failure
-    return out
+    split_tokens = {split: sum(s["num_tokens"] for s in meta["shards"] if s["split"] == split)
+                    for split in SPLITS}
+    return PreparedDataset(
+        output_dir=out, input_files=len(files), input_bytes=sum(f.stat().st_size for f in files),
+        tokenizer=tok.name, vocab_size=tok.vocab_size, train_tokens=split_tokens["train"],
+        val_tokens=split_tokens["val"], shard_files=tuple(s["file"] for s in meta["shards"]),
+        seconds=time.perf_counter() - started,
+    )
 
 
 def _write_shards(
@@ -116,7 +170,7 @@ def _write_shards(
 ) -> dict[str, Any]:
     dtype = np.dtype(np.uint16 if tok.vocab_size <= 1 << 16 else np.uint32)
     writers = {split: _ShardWriter(folder, split, dtype, shard_tokens, tok.eos_id) for split in SPLITS}
-    val_tokens = total_tokens = 0
+    val_tokens = total_tokens = 0  # encoded tokens, which decide the split
     columns = (
         TextColumn("[bold]tokenizing"),
         BarColumn(),
@@ -133,9 +187,11 @@ def _write_shards(
             if split == "val":
                 val_tokens += len(tokens)
             writers[split].write_piece(tokens, piece)
-            progress.update(task, advance=piece.nbytes, tokens=total_tokens)
-        progress.update(task, completed=total_bytes)  # skipped blank lines and empty documents
-    shards = [shard for writer in writers.values() for shard in writer.close()]
+            written = sum(writer.num_tokens for writer in writers.values())  # with the split's eos marks
+            progress.update(task, advance=piece.nbytes, tokens=written)
+        shards = [shard for writer in writers.values() for shard in writer.close()]
+        written = sum(shard["num_tokens"] for shard in shards)
+        progress.update(task, completed=total_bytes, tokens=written)  # + skipped blank lines, last eos
     return {
         "format_version": FORMAT_VERSION,
         "tokenizer": tok.name,
@@ -144,7 +200,7 @@ def _write_shards(
         "pad_id": tok.pad_id,
         "dtype": dtype.name,
         "val_fraction": val_fraction,
-        "total_tokens": sum(shard["num_tokens"] for shard in shards),
+        "total_tokens": written,
         "shards": shards,
     }
 
@@ -156,6 +212,7 @@ class _ShardWriter:
         self.folder, self.split, self.dtype, self.shard_tokens = folder, split, dtype, shard_tokens
         self.eos = np.array([eos_id], dtype=dtype)
         self.shards: list[dict[str, Any]] = []
+        self.num_tokens = 0
         self._file: BinaryIO | None = None
         self._last: Piece | None = None  # the last piece written, if it did not end its document
 
@@ -176,6 +233,7 @@ class _ShardWriter:
             part, tokens = tokens[:room], tokens[room:]
             self._file.write(part.tobytes())
             shard["num_tokens"] += len(part)
+            self.num_tokens += len(part)
             shard["max_token_id"] = max(shard["max_token_id"], int(part.max()))
             if shard["num_tokens"] == self.shard_tokens:
                 self._file.close()
