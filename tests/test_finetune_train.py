@@ -39,7 +39,8 @@ def test_short_finetune_raises_exact_match(tmp_path):
     after = trainer(tmp_path).validate(module, data, verbose=False)[0]
     assert before["val/exact_match"] == 0.0
     assert after["val/exact_match"] > before["val/exact_match"] and after["val/exact_match"] >= 0.5
-    assert after["val/token_acc"] > before["val/token_acc"] and after["val/loss"] < before["val/loss"]
+    assert after["val/token_accuracy"] > before["val/token_accuracy"]
+    assert after["val/loss"] < before["val/loss"]
 
 
 @pytest.mark.slow
@@ -55,7 +56,7 @@ def test_default_config_runs_and_logs_exact_match(tmp_path):
     )
     assert result.returncode == 0, result.stderr[-3000:]
     metrics = (tmp_path / "runs/finetune-tiny/version_0/metrics.csv").read_text().splitlines()
-    assert "val/exact_match" in metrics[0] and "val/token_acc" in metrics[0]
+    assert "val/exact_match" in metrics[0] and "val/token_accuracy" in metrics[0]
     checkpoint = tmp_path / "runs/finetune-tiny/checkpoints/last.ckpt"
     generated = run_cli("generate", "--checkpoint", str(checkpoint), "--prompt", "get_name in CamelCase: ",
                         "--max_new_tokens", "4", cwd=tmp_path, timeout=120)
