@@ -62,8 +62,9 @@ class TokenProgressBar(TQDMProgressBar):
         trainer = self.trainer
         return Tqdm(
             desc=f"Epoch {trainer.current_epoch}", total=self.total_steps(trainer),
-            initial=trainer.global_step, position=2 * self.process_position, disable=self.is_disabled, leave=True, dynamic_ncols=True,
-            file=sys.stdout, smoothing=0, unit="step", bar_format=self.BAR_FORMAT,
+            initial=trainer.global_step, position=2 * self.process_position, disable=self.is_disabled,
+            leave=True, dynamic_ncols=True, file=sys.stdout, smoothing=0, unit="step",
+            bar_format=self.BAR_FORMAT,
         )
 
     def total_steps(self, trainer: L.Trainer) -> int | None:
