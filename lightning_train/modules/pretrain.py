@@ -142,7 +142,10 @@ class PretrainModule(L.LightningModule):
             vocab_size = _data_vocab_size(datamodule)
             if vocab_size is not None:
                 self.config = dataclasses.replace(self.config, vocab_size=vocab_size)
-                self.hparams["config"] = self.config  # checkpoints record the vocabulary the model has
+                # Checkpoints record the vocabulary the model has, in the form given (the CLI's is a dict).
+                given = self.hparams.get("config")
+                resolved = {**given, "vocab_size": vocab_size} if isinstance(given, dict) else self.config
+                self.hparams["config"] = resolved
         vocab_size = self.config.vocab_size
         if max_id is not None and vocab_size is not None and max_id >= vocab_size:
             raise UserInputError(
