@@ -104,3 +104,40 @@ def test_one_bar_for_the_whole_run_before_and_after_a_resume(tmp_path):
 
 def test_si_formatting():
     assert [_si(v) for v in (950, 12_345.6, 3.2e6, 1.5e9)] == ["950", "12.3k", "3.2M", "1.5G"]
+
+
+class StopAtStep3(L.Callback):
+    """Stops the run (or fails it) at step 3 of 10 and, like an end-of-run summary, prints when training
+    ends; it runs before the bar's own hooks."""
+
+    def __init__(self, fail: bool) -> None:
+        self.fail = fail
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == 3:
+            if self.fail:
+                raise RuntimeError("boom")
+            trainer.should_stop = True
+
+    def on_train_end(self, trainer, pl_module):
+        print("SUMMARY: stopped early")
+
+
+def test_bar_ends_its_line_when_the_run_stops_early_or_fails(tmp_path, tiny_config, capsys):
+    import pytest
+
+    for fail in (False, True):
+        trainer = L.Trainer(max_steps=10, callbacks=[StopAtStep3(fail), TokenProgressBar()], logger=False,
+                            enable_checkpointing=False, limit_val_batches=0, accelerator="cpu",
+                            enable_model_summary=False, default_root_dir=tmp_path)
+        if fail:
+            with pytest.raises(RuntimeError, match="boom"):
+                trainer.fit(PretrainModule(tiny_config, warmup_steps=2), TokenBatches())
+        else:
+            trainer.fit(PretrainModule(tiny_config, warmup_steps=2), TokenBatches())
+        out = capsys.readouterr().out
+        # The failure comes before the bar sees step 3: it shows the last step it drew, then ends its line.
+        assert re.findall(r"\| (\d+/\d+) \[", out)[-1] == ("2/10" if fail else "3/10")
+        assert out.endswith("\n")  # closed: an error message or the next line starts on a line of its own
+        if not fail:
+            assert "\nSUMMARY: stopped early\n" in out
