@@ -231,3 +231,15 @@ def test_finetune_module_builds_its_model_like_pretrain_module(tmp_path):
     module = FinetuneModule(config=GPTConfig(**CONFIG), float8=True)
     with pytest.raises(UserInputError, match="float8 training needs a CUDA GPU.*this run is on 'cpu'"):
         quiet_trainer(tmp_path).fit(module, DataLoader(RandomTokens(), batch_size=4))
+
+
+def test_checkpoint_hyperparameters_are_plain_data(tmp_path):
+    """`fit --ckpt_path` reads a checkpoint's hyper-parameters with torch.load(weights_only=True) and no
+    allow-list (LightningCLI does): FinetuneModule's resolved config and LoRA settings are plain dicts."""
+    base, _ = make_checkpoint(tmp_path / "base")
+    module = FinetuneModule(str(base), lora=LoRAConfig(rank=2), warmup_steps=1)
+    path, _ = make_checkpoint(tmp_path / "tuned", module)
+    hparams = torch.load(path, weights_only=True)["hyper_parameters"]
+    assert hparams["config"] == {**CONFIG, **{k: v for k, v in hparams["config"].items() if k not in CONFIG}}
+    assert hparams["lora"]["rank"] == 2 and hparams["tokenizer"] == "byte"
+    assert FinetuneModule(str(path)).config == module.config  # still a complete source

@@ -23,6 +23,7 @@ the shards.
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections import defaultdict
 from pathlib import Path
 
@@ -75,6 +76,8 @@ class FinetuneModule(PretrainModule):
         compile: bool = False,
         float8: bool = False,
     ) -> None:
+        if isinstance(config, dict):  # as saved in this module's checkpoints (load_from_checkpoint)
+            config = GPTConfig(**config)
         self._pretrained = open_pretrained(init_from, config, allow_pickle) if init_from else None
         if self._pretrained is not None:
             config, tokenizer = self._pretrained.config, tokenizer or self._pretrained.tokenizer
@@ -93,7 +96,9 @@ class FinetuneModule(PretrainModule):
         self.tokenizer_spec, self.lora = tokenizer, lora
         # The resolved values (LightningCLI records hyper-parameters as given, e.g. `config: null`), so
         # that a checkpoint of this module is a complete source for init_from and `generate`.
-        self.hparams.update(config=self.config, tokenizer=tokenizer, lora=lora)
+        # Plain dicts: LightningCLI reads them back with torch.load(weights_only=True) on `--ckpt_path`.
+        lora_hparams = dataclasses.asdict(lora) if lora is not None else None
+        self.hparams.update(config=dataclasses.asdict(self.config), tokenizer=tokenizer, lora=lora_hparams)
         self.val_token_accuracy = MeanMetric()
         self._weights_pending = False
 

@@ -74,7 +74,7 @@ class PretrainModule(L.LightningModule):
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
-        self.config = config or GPTConfig()
+        self.config = GPTConfig(**config) if isinstance(config, dict) else config or GPTConfig()
         self.model: nn.Module | None = None
         self.val_loss = MeanMetric()  # token-weighted, synced across ranks by torchmetrics
         self.val_ppl = math.e ** self.val_loss  # a Metric too: exp of the synced mean
