@@ -203,3 +203,42 @@ def test_meta_device_model_gets_its_weights_after_materialisation(tmp_path):
     module.on_fit_start()
     assert all(layer.lora_B["default"].weight.abs().sum() == 0 for _, layer in lora_layers(module.model))
     torch.testing.assert_close(logits(module.model.eval()), logits(trained), atol=1e-4, rtol=0)
+
+
+def test_token_accuracy_is_the_share_of_response_tokens_predicted_right(tmp_path):
+    """Two batches of 27 and 12 response tokens (the prompt's labels are -100); in each, the labels of the
+    first 9 response tokens are set to the model's own predictions, so 18 of 39 are right."""
+    torch.manual_seed(0)
+    module = FinetuneModule(config=GPTConfig(**CONFIG))
+    module.configure_model()
+    batches = []
+    for prompt_length in (5, 20):
+        example = RandomTokens()[prompt_length]
+        input_ids, labels = example["input_ids"][None], example["labels"][None].clone()
+        with torch.no_grad():
+            predicted = module(input_ids).argmax(-1)
+        labels[:, :prompt_length] = -100
+        labels[:, prompt_length : prompt_length + 9] = predicted[:, prompt_length : prompt_length + 9]
+        labels[:, prompt_length + 9 :] = (predicted[:, prompt_length + 9 :] + 1) % CONFIG["vocab_size"]
+        batches.append({"input_ids": input_ids, "labels": labels})
+    metrics = quiet_trainer(tmp_path).validate(module, DataLoader(batches, batch_size=None), verbose=False)[0]
+    assert metrics["val/token_accuracy"] == pytest.approx(18 / 39, abs=1e-6)
+
+
+def test_finetune_module_builds_its_model_like_pretrain_module(tmp_path):
+    """The one shared build: FinetuneModule gets float8 (and TF32, compile) from PretrainModule's."""
+    module = FinetuneModule(config=GPTConfig(**CONFIG), float8=True)
+    with pytest.raises(UserInputError, match="float8 training needs a CUDA GPU.*this run is on 'cpu'"):
+        quiet_trainer(tmp_path).fit(module, DataLoader(RandomTokens(), batch_size=4))
+
+
+def test_checkpoint_hyperparameters_are_plain_data(tmp_path):
+    """`fit --ckpt_path` reads a checkpoint's hyper-parameters with torch.load(weights_only=True) and no
+    allow-list (LightningCLI does): FinetuneModule's resolved config and LoRA settings are plain dicts."""
+    base, _ = make_checkpoint(tmp_path / "base")
+    module = FinetuneModule(str(base), lora=LoRAConfig(rank=2), warmup_steps=1)
+    path, _ = make_checkpoint(tmp_path / "tuned", module)
+    hparams = torch.load(path, weights_only=True)["hyper_parameters"]
+    assert hparams["config"] == {**CONFIG, **{k: v for k, v in hparams["config"].items() if k not in CONFIG}}
+    assert hparams["lora"]["rank"] == 2 and hparams["tokenizer"] == "byte"
+    assert FinetuneModule(str(path)).config == module.config  # still a complete source

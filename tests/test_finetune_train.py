@@ -39,7 +39,8 @@ def test_short_finetune_raises_exact_match(tmp_path):
     after = trainer(tmp_path).validate(module, data, verbose=False)[0]
     assert before["val/exact_match"] == 0.0
     assert after["val/exact_match"] > before["val/exact_match"] and after["val/exact_match"] >= 0.5
-    assert after["val/token_acc"] > before["val/token_acc"] and after["val/loss"] < before["val/loss"]
+    assert after["val/token_accuracy"] > before["val/token_accuracy"]
+    assert after["val/loss"] < before["val/loss"]
 
 
 @pytest.mark.slow
@@ -55,7 +56,7 @@ def test_default_config_runs_and_logs_exact_match(tmp_path):
     )
     assert result.returncode == 0, result.stderr[-3000:]
     metrics = (tmp_path / "runs/finetune-tiny/version_0/metrics.csv").read_text().splitlines()
-    assert "val/exact_match" in metrics[0] and "val/token_acc" in metrics[0]
+    assert "val/exact_match" in metrics[0] and "val/token_accuracy" in metrics[0]
     checkpoint = tmp_path / "runs/finetune-tiny/checkpoints/last.ckpt"
     generated = run_cli("generate", "--checkpoint", str(checkpoint), "--prompt", "get_name in CamelCase: ",
                         "--max_new_tokens", "4", cwd=tmp_path, timeout=120)
@@ -86,3 +87,27 @@ def test_two_rank_sharded_checkpoint_loads_on_one_rank(tmp_path):
     tokens = torch.arange(24).view(2, 12)
     with torch.no_grad():
         torch.testing.assert_close(module.model(tokens), reference.model(tokens), atol=1e-4, rtol=0)
+
+
+def test_progress_bar_counts_steps_across_epochs_and_shows_exact_match(tmp_path, capsys):
+    """Fine-tuning runs several short epochs: one bar of optimizer steps for the whole run, with
+    val/exact_match once validation has measured it."""
+    import re
+
+    from lightning_train.callbacks.progress import TokenProgressBar
+
+    torch.manual_seed(0)
+    start = save_safetensors(GPT(GPTConfig(vocab_size=258, block_size=32, n_layer=1, n_head=2, n_embd=32)),
+                             tmp_path / "start")
+    jsonl = tmp_path / "colors.jsonl"
+    jsonl.write_text("".join(json.dumps({"prompt": f"color of {k}: ", "response": v}) + "\n"
+                             for k, v in PAIRS.items()))
+    data = SFTDataModule(str(jsonl), str(jsonl), seq_len=32, batch_size=2, eval_prompts=2)  # 3 steps an epoch
+    L.Trainer(accelerator="cpu", logger=False, enable_checkpointing=False, enable_model_summary=False,
+              default_root_dir=tmp_path, num_sanity_val_steps=0, max_steps=7, val_check_interval=3,
+              check_val_every_n_epoch=None, limit_val_batches=1,
+              callbacks=[TokenProgressBar()]).fit(FinetuneModule(str(start)), data)
+    screens = [s for s in re.split(r"[\r\n]", capsys.readouterr().out) if s.startswith("Epoch ")]
+    assert [re.search(r"\| (\d+/\d+) \[", s).group(1) for s in screens][-1] == "7/7"
+    assert {re.search(r"\|\s*\d+/(\S+) \[", s).group(1) for s in screens} == {"7"}
+    assert screens[-1].startswith("Epoch 2:") and "val/exact_match=" in screens[-1]

@@ -48,7 +48,7 @@ def test_model_without_convertible_layers_is_refused() -> None:
     with pytest.raises(UserInputError, match="no Linear layer with both dimensions a multiple of 16"):
         convert_to_float8(model)
     with pytest.raises(UserInputError, match="recipe 'blockwise' is not one of tensorwise"):
-        convert_to_float8(GPT(GPTConfig(n_embd=32, n_head=2)), recipe="blockwise")
+        convert_to_float8(GPT(GPTConfig(vocab_size=256, n_embd=32, n_head=2)), recipe="blockwise")
 
 
 def test_pretrain_module_refuses_float8_on_cpu_before_training(tiny_config: GPTConfig) -> None:

@@ -1,3 +1,4 @@
+import json
 import math
 
 import lightning as L
@@ -115,3 +116,68 @@ def test_validate_then_fit_in_one_process(tiny_config, tmp_path):
     trainer = _trainer(tmp_path, max_steps=2, val_check_interval=1, limit_val_batches=1.0)
     trainer.fit(module, datamodule=data)
     assert torch.isfinite(trainer.callback_metrics["val/loss"])
+
+
+def test_readme_snippet_trains_on_the_default_corpus(tmp_path, monkeypatch):
+    """README "In your own Trainer", as written but for max_steps: GPTConfig says no vocab_size, so the
+    model takes the corpus's 258 (bytes, end of text, pad). The default was 256: token 256 failed fit."""
+    from lightning_train import GPTConfig, TextDataModule
+    from tests.conftest import cli_env
+
+    monkeypatch.setenv("LIGHTNING_TRAIN_CACHE", cli_env()["LIGHTNING_TRAIN_CACHE"])
+    module = PretrainModule(GPTConfig(n_layer=4, n_head=4, n_embd=128, block_size=128), learning_rate=2e-3)
+    trainer = L.Trainer(max_steps=3, accelerator="cpu", gradient_clip_val=1.0, default_root_dir=tmp_path,
+                        enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(module, TextDataModule(seq_len=128, batch_size=16))
+    assert trainer.global_step == 3 and torch.isfinite(trainer.callback_metrics["train/loss"])
+    assert module.model.embed.num_embeddings == 258
+    (checkpoint,) = (tmp_path / "lightning_logs").rglob("*.ckpt")
+    saved = torch.load(checkpoint, weights_only=False)["hyper_parameters"]["config"]
+    assert saved.vocab_size == 258  # a complete source for FinetuneModule and generate
+
+
+def test_vocab_size_left_unset_without_data_that_knows_it_is_one_clear_error(tmp_path):
+    from lightning_train import GPTConfig
+
+    module = PretrainModule(GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=32))
+    batch = {"input_ids": torch.zeros(2, 8, dtype=torch.long), "labels": torch.zeros(2, 8, dtype=torch.long)}
+    with pytest.raises(UserInputError, match="vocab_size is not set and no data module gave one"):
+        _trainer(tmp_path, max_steps=1).fit(module, DataLoader([batch], batch_size=None))
+
+
+def _logged_train_loss(run_dir) -> dict[int, float]:
+    import csv
+
+    (metrics,) = run_dir.rglob("metrics.csv")
+    rows = csv.DictReader(metrics.open())
+    return {int(row["step"]): float(row["train/loss"]) for row in rows if row["train/loss"]}
+
+
+def test_two_rank_train_loss_is_the_mean_over_the_global_batch(tmp_path):
+    """Real 2-rank gloo DDP (2 micro-batches of 2 per rank) against one process with the same global batch
+    of 8: the logged train/loss agrees at each logging step (it used to be rank 0's own value), and the
+    validation metrics, synced by torchmetrics, bring no "use sync_dist=True" warning."""
+    from tests.conftest import REPO, run_cli
+
+    model = {"vocab_size": 258, "n_layer": 1, "n_head": 2, "n_embd": 32, "block_size": 32}
+    common = [
+        "fit", "--config", str(REPO / "configs" / "pretrain-tiny.yaml"), "--trainer.callbacks=[]",
+        "--trainer.max_steps=4", "--trainer.log_every_n_steps=2", "--trainer.val_check_interval=4",
+        "--trainer.limit_val_batches=1", "--trainer.enable_progress_bar=false", "--trainer.accelerator=cpu",
+        "--model.init_args.warmup_steps=1", "--data.init_args.seq_len=32",
+        f"--model.init_args.config={json.dumps(model)}",
+    ]
+    runs = {
+        "one": ["--trainer.devices=1", "--data.init_args.batch_size=8"],
+        "ddp": ["--trainer.devices=2", "--trainer.strategy=lt_ddp", "--data.init_args.batch_size=2",
+                "--trainer.accumulate_grad_batches=2"],
+    }
+    logged = {}
+    for name, args in runs.items():
+        result = run_cli(*common, *args, f"--trainer.default_root_dir={tmp_path / name}", cwd=tmp_path)
+        assert result.returncode == 0, result.stderr[-3000:]
+        logged[name] = _logged_train_loss(tmp_path / name)
+        assert "sync_dist" not in result.stderr + result.stdout
+    assert sorted(logged["one"]) == sorted(logged["ddp"]) == [1, 3]
+    for step, loss in logged["one"].items():
+        assert logged["ddp"][step] == pytest.approx(loss, rel=1e-5, abs=0), step

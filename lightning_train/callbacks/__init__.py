@@ -4,7 +4,7 @@ from lightning_train.callbacks.grad_norm import GradNormMonitor
 from lightning_train.callbacks.loss_scale import LossScaleMonitor
 from lightning_train.callbacks.nan_recovery import NaNRecovery, TrainingAborted
 from lightning_train.callbacks.preemption import PreemptionCheckpoint
-from lightning_train.callbacks.progress import RichTokenProgressBar, TokenProgressBar
+from lightning_train.callbacks.progress import TokenProgressBar
 from lightning_train.callbacks.rng_state import RNGStateKeeper
 from lightning_train.callbacks.throughput import ThroughputMonitor
 from lightning_train.callbacks.time_to_quality import TimeToQuality
@@ -15,7 +15,6 @@ __all__ = [
     "NaNRecovery",
     "PreemptionCheckpoint",
     "RNGStateKeeper",
-    "RichTokenProgressBar",
     "ThroughputMonitor",
     "TimeToQuality",
     "TokenProgressBar",

@@ -1,16 +1,25 @@
-"""Progress bars that show the training loss, throughput (tokens/s) and the time left until ``max_steps``.
+"""TokenProgressBar: one bar for the whole run, in optimizer steps out of ``max_steps``, with the loss,
+throughput (tokens/s) and one ETA.
 
-Lightning's own bars (TQDM or Rich) with three more items: ``train/loss``, read from the logged
-metrics only when the bar redraws (a value logged with ``prog_bar=True`` is read to the host after
-every batch, which on a GPU waits for the step to finish); ``tok/s``, taken from the
-``perf/tokens_per_sec`` progress-bar metric that ``ThroughputMonitor`` logs; and ``eta``, from the
-wall time of the last 50 optimizer steps and the steps left to ``max_steps`` (or to the end of
-``max_epochs``).
+Lightning's TQDM bar, changed where a long training run needs it:
+
+- **One bar for the run**: it counts optimizer steps (``trainer.global_step``) out of ``max_steps`` (or
+  the steps of all ``max_epochs``), across epochs, and starts where a resumed run starts (``250/600``,
+  not ``250/?``, and a rate measured from this launch only). The description shows the epoch.
+- **One ETA**: from the wall time of the last 50 optimizer steps (it follows speed changes, validation
+  included) and the steps left; tqdm's own estimate is not shown.
+- **The metrics that matter**: ``train/loss``, read from the logged metrics only when the bar redraws (a
+  value logged with ``prog_bar=True`` is read to the host after every batch, which on a GPU waits for the
+  step to finish); ``tok/s``, from the ``perf/tokens_per_sec`` progress-bar metric of
+  ``ThroughputMonitor``; and what the module logs with ``prog_bar=True`` (``val/loss``; in fine-tuning
+  ``val/exact_match``) once it is known.
+- **A clean ending**: the bar is closed on its own line as soon as training ends (the last step, an
+  early stop, an error or Ctrl-C), so later messages start on a new line.
 
     >>> import lightning as L
     >>> from lightning_train.callbacks.progress import TokenProgressBar
     >>> trainer = L.Trainer(max_steps=600, callbacks=[TokenProgressBar()])  # doctest: +SKIP
-    Epoch 0:  12%|█▏   | 72/600 [00:09<01:07, 7.8it/s, train/loss=3.1, tok/s=16.0k, eta=0:01:08]
+    Epoch 0:  12%|█▏        | 72/600 [00:09, 7.80step/s, train/loss=3.100, tok/s=16.0k, eta=0:01:08]
 
 In YAML (``trainer.callbacks``): ``- class_path: lightning_train.callbacks.progress.TokenProgressBar``.
 """
@@ -18,63 +27,133 @@ In YAML (``trainer.callbacks``): ``- class_path: lightning_train.callbacks.progr
 from __future__ import annotations
 
 import math
+import sys
 import time
 from collections import deque
 from datetime import timedelta
 from typing import Any
 
 import lightning as L
-from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
+from lightning.pytorch.callbacks import TQDMProgressBar
+from lightning.pytorch.callbacks.progress.tqdm_progress import Tqdm
 
 TOKENS_PER_SEC = "perf/tokens_per_sec"
 TRAIN_LOSS = "train/loss"
 
 
-class _TokensAndETA:
-    """Adds ``tok/s`` and ``eta`` to a Lightning progress bar's metrics; mixed into TQDM and Rich."""
+class TokenProgressBar(TQDMProgressBar):
+    """Lightning's TQDM bar as one bar of optimizer steps for the whole run, with ``train/loss``,
+    ``tok/s``, the module's progress-bar metrics and one ``eta`` (works in terminals and in log files).
 
+    Args:
+        refresh_rate: redraw every this many optimizer steps (each redraw reads the loss to the host).
+    """
+
+    BAR_FORMAT = "{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}, {rate_fmt}{postfix}]"
     window = 50  # optimizer steps the ETA is estimated from: recent enough to follow speed changes
 
-    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        super().on_train_start(trainer, pl_module)
+    def __init__(self, refresh_rate: int = 1) -> None:
+        super().__init__(refresh_rate=refresh_rate)
         self._marks: deque[tuple[float, int]] = deque(maxlen=self.window)
+        self._drawn_step = -1
+
+    def init_train_tqdm(self) -> Tqdm:
+        """The run's bar, from the step a resumed run starts at (tqdm's rate counts this launch only)."""
+        trainer = self.trainer
+        return Tqdm(
+            desc=f"Epoch {trainer.current_epoch}", total=self.total_steps(trainer),
+            initial=trainer.global_step, position=2 * self.process_position, disable=self.is_disabled,
+            leave=True, dynamic_ncols=True, file=sys.stdout, smoothing=0, unit="step",
+            bar_format=self.BAR_FORMAT,
+        )
+
+    def total_steps(self, trainer: L.Trainer) -> int | None:
+        """Optimizer steps of the whole run, or None when it has no end."""
+        total = trainer.max_steps if trainer.max_steps > 0 else trainer.estimated_stepping_batches
+        return int(total) if math.isfinite(total) else None
+
+    # ---- one bar for the run ------------------------------------------------------------------
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._marks.clear()
+        self._drawn_step = trainer.global_step
+        self.train_progress_bar = self.init_train_tqdm()
+        if 0 < trainer.max_steps <= trainer.global_step:  # resumed at its end: nothing to train
+            self._finish(trainer, pl_module)
+
+    def on_train_epoch_start(self, trainer: L.Trainer, *_: Any) -> None:
+        self.train_progress_bar.set_description(f"Epoch {trainer.current_epoch}", refresh=False)
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        marks = self._marks
-        if not marks or marks[-1][1] != trainer.global_step:  # one mark per optimizer step
-            marks.append((time.monotonic(), trainer.global_step))
-        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        step = trainer.global_step
+        if not self._marks or self._marks[-1][1] != step:  # one mark per optimizer step
+            self._marks.append((time.monotonic(), step))
+        bar = self.train_progress_bar
+        if step == self._drawn_step or bar.disable:
+            return
+        if step % self.refresh_rate == 0:
+            self._redraw(trainer, pl_module)
 
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._run_ends(trainer):  # close before Lightning's "`Trainer.fit` stopped: ..." line
+            self._finish(trainer, pl_module)
+
+    @staticmethod
+    def _run_ends(trainer: L.Trainer) -> bool:
+        """At an epoch's end: whether the fit loop stops after it (the checks of its ``done``)."""
+        steps_done = 0 < trainer.max_steps <= trainer.global_step
+        epochs_done = trainer.max_epochs not in (None, -1) and trainer.current_epoch + 1 >= trainer.max_epochs
+        return steps_done or epochs_done or trainer.should_stop
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.val_progress_bar.close()
+        self.reset_dataloader_idx_tracker()
+        if self._train_progress_bar is not None and trainer.state.fn == "fit" and not trainer.sanity_checking:
+            last_step = 0 < trainer.max_steps <= trainer.global_step  # the closing draw shows them
+            self._redraw(trainer, pl_module, refresh=not last_step)  # show the new validation metrics
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._finish(trainer, pl_module)
+
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, error: BaseException) -> None:
+        if self._train_progress_bar is not None:
+            self.train_progress_bar.close()  # the error (or Ctrl-C) message starts on its own line
+
+    def _finish(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """Draw the last state once and end the line."""
+        if not self.train_progress_bar.disable:
+            self._redraw(trainer, pl_module, refresh=False)
+            self.train_progress_bar.close()
+
+    def _redraw(self, trainer: L.Trainer, pl_module: L.LightningModule, refresh: bool = True) -> None:
+        bar = self.train_progress_bar
+        if bar.disable:  # closed (tqdm sets disable), or disabled from the start
+            return
+        self._drawn_step = bar.n = trainer.global_step
+        bar.set_postfix(self.get_metrics(trainer, pl_module), refresh=refresh)
+
+    # ---- what it shows ------------------------------------------------------------------------
     def get_metrics(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, Any]:
         items = super().get_metrics(trainer, pl_module)
+        items.pop("v_num", None)  # the logger's version: not a training metric
         loss = trainer.callback_metrics.get(TRAIN_LOSS)
-        if loss is not None and TRAIN_LOSS not in items:
-            items[TRAIN_LOSS] = float(loss)
+        shown = {TRAIN_LOSS: float(loss)} if loss is not None else {}
         rate = items.pop(TOKENS_PER_SEC, None)
         if rate is not None:
-            items["tok/s"] = _si(float(rate))
+            shown["tok/s"] = _si(float(rate))
+        shown.update(items)
         seconds = self.eta_seconds(trainer)
         if seconds is not None:
-            items["eta"] = str(timedelta(seconds=round(seconds)))
-        return items
+            shown["eta"] = str(timedelta(seconds=round(seconds)))
+        return shown
 
     def eta_seconds(self, trainer: L.Trainer) -> float | None:
         """Seconds until the last optimizer step, or None while unknown (too few steps, no end)."""
-        marks = getattr(self, "_marks", ())
-        total = trainer.max_steps if trainer.max_steps > 0 else trainer.estimated_stepping_batches
-        if len(marks) < 2 or not math.isfinite(total):
+        total = self.total_steps(trainer)
+        if len(self._marks) < 2 or total is None:
             return None
-        (t0, s0), (t1, s1) = marks[0], marks[-1]
+        (t0, s0), (t1, s1) = self._marks[0], self._marks[-1]
         return max(0.0, (total - trainer.global_step) * (t1 - t0) / (s1 - s0))
-
-
-class TokenProgressBar(_TokensAndETA, TQDMProgressBar):
-    """Lightning's TQDM bar plus ``tok/s`` and ``eta`` (works in terminals and in log files)."""
-
-
-class RichTokenProgressBar(_TokensAndETA, RichProgressBar):
-    """Lightning's Rich bar plus ``tok/s`` and ``eta`` (needs the ``rich`` package)."""
 
 
 def _si(value: float) -> str:

@@ -9,7 +9,7 @@ Convert before compiling and before a strategy shards the model; ``PretrainModul
 
     >>> from lightning_train.models.float8 import check_float8_device, convert_to_float8
     >>> check_float8_device("cuda")  # doctest: +SKIP
-    >>> model = convert_to_float8(GPT(GPTConfig(n_embd=2048, n_head=16)))  # doctest: +SKIP
+    >>> model = convert_to_float8(GPT(GPTConfig(vocab_size=258, n_embd=2048, n_head=16)))  # doctest: +SKIP
 """
 
 from __future__ import annotations

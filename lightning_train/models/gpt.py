@@ -27,7 +27,7 @@ from torch import nn
 class GPTConfig:
     """Shape and flavour of the model. The defaults are a small Llama-style model."""
 
-    vocab_size: int = 256
+    vocab_size: int | None = None  # None: the data's (PretrainModule/FinetuneModule fill it in)
     block_size: int = 256  # longest context the model accepts
     n_layer: int = 4
     n_head: int = 4
@@ -199,6 +199,8 @@ class Block(nn.Module):
 class GPT(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
+        if config.vocab_size is None:
+            raise ValueError("GPTConfig.vocab_size is None; set it to the tokenizer's vocabulary size")
         self.config = config
         self.embed = nn.Embedding(config.vocab_size, config.n_embd)
         self.pos_embed = (

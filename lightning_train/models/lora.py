@@ -6,7 +6,7 @@ are added) and freezes everything else. The model stays our ``GPT``, so generati
 and checkpointing work unchanged; ``merge_lora`` folds the adapters back into plain ``nn.Linear``s.
 
     >>> from lightning_train.models.gpt import GPT, GPTConfig
-    >>> model = apply_lora(GPT(GPTConfig(n_layer=1, n_embd=32, n_head=2)), LoRAConfig(rank=4))
+    >>> model = apply_lora(GPT(GPTConfig(vocab_size=258, n_layer=1, n_embd=32, n_head=2)), LoRAConfig(rank=4))
     >>> sorted({n.split(".")[-3] for n, p in model.named_parameters() if p.requires_grad})
     ['lora_A', 'lora_B']
     >>> model = merge_lora(model)  # plain GPT again, adapters folded into the weights

@@ -3,10 +3,12 @@
 ``init_from`` is a Lightning ``.ckpt`` of this package, a ``.safetensors`` file (or folder) with its
 ``config.json``, or a local Hugging Face GPT-2 / Llama folder; the config and tokenizer come from it.
 Batches are the pretraining ones (``{"input_ids", "labels"}``, label -100 ignored), e.g. from
-``SFTDataModule``, whose held-out prompts drive the ``val/exact_match`` metric.
+``SFTDataModule``, whose held-out prompts drive the ``val/exact_match`` metric; ``val/token_accuracy`` is
+the share of response tokens (labels not -100) whose argmax prediction is right.
 
     >>> import lightning as L
     >>> from lightning_train import FinetuneModule, SFTDataModule
+    >>> from lightning_train.models.lora import LoRAConfig
     >>> module = FinetuneModule("runs/pretrain-tiny/checkpoints/last.ckpt", lora=LoRAConfig(rank=8))
     >>> L.Trainer(max_steps=200).fit(module, SFTDataModule())  # doctest: +SKIP
     >>> module.export("runs/finetuned")  # merged weights: model.safetensors + config.json  # doctest: +SKIP
@@ -21,6 +23,7 @@ the shards.
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections import defaultdict
 from pathlib import Path
 
@@ -72,7 +75,10 @@ class FinetuneModule(PretrainModule):
         betas: tuple[float, float] = (0.9, 0.95),
         eps: float = 1e-8,
         compile: bool = False,
+        float8: bool = False,
     ) -> None:
+        if isinstance(config, dict):  # as saved in this module's checkpoints (load_from_checkpoint)
+            config = GPTConfig(**config)
         self._pretrained = open_pretrained(init_from, config, allow_pickle) if init_from else None
         if self._pretrained is not None:
             config, tokenizer = self._pretrained.config, tokenizer or self._pretrained.tokenizer
@@ -84,20 +90,22 @@ class FinetuneModule(PretrainModule):
         if not 0 <= freeze_blocks <= n_layer:
             raise UserInputError(f"freeze_blocks={freeze_blocks} must be between 0 and n_layer={n_layer}")
         super().__init__(
-            config, learning_rate, min_lr, warmup_steps, decay_steps, weight_decay, betas, eps, compile
+            config, learning_rate=learning_rate, min_lr=min_lr, warmup_steps=warmup_steps,
+            decay_steps=decay_steps, weight_decay=weight_decay, betas=betas, eps=eps, compile=compile,
+            float8=float8,
         )
         self.tokenizer_spec, self.lora = tokenizer, lora
         # The resolved values (LightningCLI records hyper-parameters as given, e.g. `config: null`), so
         # that a checkpoint of this module is a complete source for init_from and `generate`.
-        self.hparams.update(config=self.config, tokenizer=tokenizer, lora=lora)
-        self.val_token_acc = MeanMetric()
+        # Plain dicts: LightningCLI reads them back with torch.load(weights_only=True) on `--ckpt_path`.
+        lora_hparams = dataclasses.asdict(lora) if lora is not None else None
+        self.hparams.update(config=dataclasses.asdict(self.config), tokenizer=tokenizer, lora=lora_hparams)
+        self.val_token_accuracy = MeanMetric()
         self._weights_pending = False
 
-    # ---- building ------------------------------------------------------------------------------
-    def configure_model(self) -> None:
-        if self.model is not None:
-            return
-        model = self.build_model()
+    # ---- building (PretrainModule.configure_model calls this, then applies TF32, float8, compile) ----
+    def prepare_model(self, model: nn.Module) -> nn.Module:
+        """Load ``init_from`` into the built network, add the LoRA adapters, freeze what is asked."""
         if self._pretrained is not None:
             if any(p.is_meta for p in model.parameters()):
                 self._weights_pending = True  # materialised later by the strategy; see on_fit_start
@@ -107,9 +115,7 @@ class FinetuneModule(PretrainModule):
         if self.lora is not None:
             model = apply_lora(model, self.lora)
         self._freeze(model)
-        self.model = model
-        if self.hparams.compile:
-            self.model.compile()
+        return model
 
     def _freeze(self, model: nn.Module) -> None:
         frozen = list(model.blocks[: self.hparams.freeze_blocks])
@@ -152,7 +158,7 @@ class FinetuneModule(PretrainModule):
         # fit() (validating under no_grad) cannot update in place: give them fresh, normal tensors.
         with torch.inference_mode(False):
             self.val_loss.reset()
-            self.val_token_acc.reset()
+            self.val_token_accuracy.reset()
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         logits, labels = self(batch["input_ids"]), batch["labels"]
@@ -161,18 +167,19 @@ class FinetuneModule(PretrainModule):
         if count == 0:
             return
         self.val_loss.update(self.compute_loss(logits, labels), weight=count)
-        correct = (logits.argmax(dim=-1) == labels)[scored].float().mean()
-        self.val_token_acc.update(correct, weight=count)
+        correct = ((logits.argmax(dim=-1) == labels) & scored).sum()
+        self.val_token_accuracy.update(correct / count, weight=count)
 
     def on_validation_epoch_end(self) -> None:
         super().on_validation_epoch_end()
-        self.log("val/token_acc", self.val_token_acc.compute(), sync_dist=False)
-        self.val_token_acc.reset()
+        self.log("val/token_accuracy", self.val_token_accuracy)  # a Metric: synced by torchmetrics
         datamodule = getattr(self.trainer, "datamodule", None)
         examples = getattr(datamodule, "eval_examples", None)
         if examples and not self.trainer.sanity_checking:
-            # Every rank scores every held-out prompt: sharded models need all ranks in each forward.
-            self.log("val/exact_match", self.exact_match(examples, datamodule.eos_id), sync_dist=False)
+            # Every rank scores every held-out prompt (sharded models need all ranks in each forward), so
+            # the mean over ranks that sync_dist takes is the score itself.
+            score = self.exact_match(examples, datamodule.eos_id)
+            self.log("val/exact_match", score, prog_bar=True, sync_dist=True)
 
     @torch.no_grad()
     def exact_match(

@@ -8,10 +8,14 @@ Override ``build_model`` (another architecture), ``compute_loss`` (another objec
     >>> module = PretrainModule(GPTConfig(n_layer=2, n_embd=64, n_head=2, block_size=64))
     >>> trainer = L.Trainer(max_steps=20, accelerator="cpu")  # doctest: +SKIP
     >>> trainer.fit(module, TextDataModule(seq_len=64, batch_size=8))  # doctest: +SKIP
+
+The config's ``vocab_size`` may be left None: the model then gets the data's vocabulary (a data module's
+``vocab_size``, or its tokenizer's) when ``fit``/``validate`` sets it up.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -42,7 +46,7 @@ class PretrainModule(L.LightningModule):
     label -100 is ignored.
 
     Args:
-        config: the model's shape (see ``GPTConfig``).
+        config: the model's shape (see ``GPTConfig``); ``vocab_size`` None takes the data's.
         learning_rate: peak LR after warmup.
         min_lr: LR at the end of the cosine decay.
         warmup_steps: optimizer steps of linear warmup.
@@ -70,9 +74,11 @@ class PretrainModule(L.LightningModule):
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
-        self.config = config or GPTConfig()
+        self.config = GPTConfig(**config) if isinstance(config, dict) else config or GPTConfig()
         self.model: nn.Module | None = None
-        self.val_loss = MeanMetric()
+        self.val_loss = MeanMetric()  # token-weighted, synced across ranks by torchmetrics
+        self.val_ppl = math.e ** self.val_loss  # a Metric too: exp of the synced mean
+        self._step_loss_sums: torch.Tensor | None = None  # (loss x tokens, tokens) of this optimizer step
 
     # ---- hooks meant for subclasses -------------------------------------------------------------
     def build_model(self) -> nn.Module:
@@ -96,30 +102,56 @@ class PretrainModule(L.LightningModule):
             {"name": "no_decay", "params": no_decay, "weight_decay": 0.0},
         ]
 
+    def prepare_model(self, model: nn.Module) -> nn.Module:
+        """What happens to the freshly built network before the speed settings: nothing here;
+        FinetuneModule loads the starting weights, adds LoRA adapters and freezes."""
+        return model
+
     # ---- Lightning hooks ------------------------------------------------------------------------
     def configure_model(self) -> None:
+        """Builds the model once, the same way for every module: ``build_model``, ``prepare_model``, then
+        TF32 matmuls on CUDA, float8 Linear layers and ``torch.compile`` as the hyper-parameters ask."""
         if self.model is not None:
             return
-        self.model = self.build_model()
+        if getattr(self.config, "vocab_size", 0) is None:
+            raise UserInputError(
+                "model.config.vocab_size is not set and no data module gave one; set model.config.vocab_size "
+                "to the tokenizer's vocabulary size, or fit with a TextDataModule or SFTDataModule"
+            )
+        model = self.prepare_model(self.build_model())
         device = self.trainer.strategy.root_device if self._trainer else torch.device("cpu")
         if device.type == "cuda":
             torch.set_float32_matmul_precision("high")  # TF32 for the fp32 matmuls autocast leaves
         if self.hparams.float8:
             check_float8_device(device)
-            convert_to_float8(self.model)
+            convert_to_float8(model)
         if self.hparams.compile:
-            self.model.compile()
+            model.compile()
+        self.model = model
 
     def setup(self, stage: str) -> None:
-        self.configure_model()  # so the model exists outside a Trainer too, e.g. in tests
         datamodule = getattr(self.trainer, "datamodule", None) if self._trainer else None
-        if datamodule is None or not isinstance(self.model, GPT):
-            return
+        if datamodule is not None and isinstance(self.config, GPTConfig):
+            self._fit_config_to(datamodule)
+        self.configure_model()  # so the model exists outside a Trainer too, e.g. in tests
+
+    def _fit_config_to(self, datamodule: Any) -> None:
+        """Take the data's vocabulary size where the config has none; refuse data the model cannot read."""
         max_id, seq_len = getattr(datamodule, "max_token_id", None), getattr(datamodule, "seq_len", None)
-        if max_id is not None and max_id >= self.config.vocab_size:
+        if self.config.vocab_size is None:
+            vocab_size = _data_vocab_size(datamodule)
+            if vocab_size is not None:
+                self.config = dataclasses.replace(self.config, vocab_size=vocab_size)
+                # Checkpoints record the vocabulary the model has, in the form given (the CLI's is a dict).
+                given = self.hparams.get("config")
+                resolved = {**given, "vocab_size": vocab_size} if isinstance(given, dict) else self.config
+                self.hparams["config"] = resolved
+        vocab_size = self.config.vocab_size
+        if max_id is not None and vocab_size is not None and max_id >= vocab_size:
             raise UserInputError(
-                f"the data holds token id {max_id} but the model's vocab_size is {self.config.vocab_size}; "
-                f"set model.config.vocab_size >= {max_id + 1} or prepare the data with the model's tokenizer"
+                f"the data holds token id {max_id} but the model's vocab_size is {vocab_size}; "
+                f"set model.config.vocab_size >= {max_id + 1} (or leave it unset to take the data's) "
+                "or prepare the data with the model's tokenizer"
             )
         if seq_len is not None and seq_len > self.config.block_size:
             raise UserInputError(
@@ -132,13 +164,30 @@ class PretrainModule(L.LightningModule):
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss = self.compute_loss(self(batch["input_ids"]), batch["labels"])
-        # Not prog_bar=True: Lightning would read the loss to the host (a GPU sync) after every batch, shown
-        # or not. TokenProgressBar reads it when it redraws.
-        self.log("train/loss", loss)
+        self._log_train_loss(loss, batch["labels"], batch_idx)
         # A logged float is copied to the device each time: log it when it is written.
-        if (self.global_step + 1) % self.trainer.log_every_n_steps == 0:
+        if self._is_logging_step():
             self.log("train/lr", self.optimizers().param_groups[0]["lr"])
         return loss
+
+    def _is_logging_step(self) -> bool:
+        return (self.global_step + 1) % self.trainer.log_every_n_steps == 0
+
+    def _log_train_loss(self, loss: torch.Tensor, labels: torch.Tensor, batch_idx: int) -> None:
+        """``train/loss``: the token-weighted mean over the optimizer step's global batch (every
+        data-parallel rank, every accumulated micro-batch), summed across ranks on logging steps only.
+        Between them this rank's own value, for the progress bar: no collective, no host read.
+        Not prog_bar=True: Lightning would read it to the host (a GPU sync) after every batch."""
+        tokens = (labels != -100).sum()
+        sums = torch.stack([loss.detach().float() * tokens, tokens.float()])
+        accumulate = self.trainer.accumulate_grad_batches
+        if batch_idx % accumulate and self._step_loss_sums is not None:  # a later micro-batch of the step
+            sums = sums + self._step_loss_sums
+        self._step_loss_sums = sums
+        steps_now = (batch_idx + 1) % accumulate == 0 or batch_idx + 1 == self.trainer.num_training_batches
+        if steps_now and self._is_logging_step():
+            sums = self.trainer.strategy.reduce(sums.clone(), reduce_op="sum")
+        self.log("train/loss", sums[0] / sums[1])
 
     def on_validation_epoch_start(self) -> None:
         # Reset here, not at the epoch's end, and outside inference mode: states left as inference tensors
@@ -151,9 +200,9 @@ class PretrainModule(L.LightningModule):
         self.val_loss.update(loss, weight=(batch["labels"] != -100).sum())
 
     def on_validation_epoch_end(self) -> None:
-        loss = self.val_loss.compute()  # synced across ranks by torchmetrics
-        self.log("val/loss", loss, prog_bar=True, sync_dist=False)
-        self.log("val/ppl", loss.exp())
+        # Metric objects: Lightning computes them (torchmetrics syncs the ranks) and knows they are synced.
+        self.log("val/loss", self.val_loss, prog_bar=True)
+        self.log("val/ppl", self.val_ppl)
 
     def configure_optimizers(self) -> dict[str, Any]:
         params = self.configure_param_groups()
@@ -179,6 +228,14 @@ class PretrainModule(L.LightningModule):
                 "or model.decay_steps"
             )
         return int(steps)
+
+
+def _data_vocab_size(datamodule: Any) -> int | None:
+    """The vocabulary a data module was tokenized with: its ``vocab_size``, else its tokenizer's."""
+    vocab_size = getattr(datamodule, "vocab_size", None)
+    if vocab_size is None:
+        vocab_size = getattr(getattr(datamodule, "tokenizer", None), "vocab_size", None)
+    return vocab_size
 
 
 def _fastest_adamw_kwargs(param_groups: list[dict[str, Any]]) -> dict[str, bool]:

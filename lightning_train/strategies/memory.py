@@ -7,7 +7,7 @@ Models", eq. 2: ``s*b*h*(34 + 5*a*s/h)`` bytes per layer in 16-bit; twice that i
 when the model exposes a ``config`` with ``n_layer``/``n_embd``/``n_head`` and the batch shape is known.
 
     >>> from lightning_train.models.gpt import GPT, GPTConfig
-    >>> model = GPT(GPTConfig(n_layer=8, n_embd=512, n_head=8))
+    >>> model = GPT(GPTConfig(vocab_size=256, n_layer=8, n_embd=512, n_head=8))
     >>> estimate = estimate_memory(model, shard_size=8, batch_size=8, seq_len=256)
     >>> format_bytes(estimate.model_state_bytes), format_bytes(estimate.activation_bytes)
     ('394.1 MiB', '868.0 MiB')
