@@ -36,26 +36,6 @@ def _cli(*args: str, cwd: Path) -> None:
     assert result.returncode == 0, result.stderr[-3000:]
 
 
-@pytest.fixture(scope="module")
-def mixed(tmp_path_factory) -> dict:
-    """The README's commands in one folder, as real CLI launches: a run, a fresh fit with other
-    settings, a validate, a fit on another corpus (the issue's folder, reported then), and finally a
-    resume of the first run from its last.ckpt."""
-    work = tmp_path_factory.mktemp("readme")
-    _cli("fit", *TINY, "--trainer.max_steps=8", cwd=work)  # version_0
-    _cli("fit", *TINY, "--trainer.max_steps=12", "--model.init_args.learning_rate=1e-3", cwd=work)  # 1
-    _cli("validate", *TINY, LAST, cwd=work)  # version_2
-    shutil.copytree(REPO / "lightning_train" / "loggers", work / "corpus")
-    _cli("prepare", "--inputs", "[corpus/]", "--output_dir", "data/other", "--val_fraction", "0.3",
-         "--num_workers", "0", cwd=work)
-    _cli("fit", *TINY, "--trainer.max_steps=6", "--data.init_args.data_dir=data/other", cwd=work)  # 3
-    run_dir = work / "runs" / "mixed"
-    readme = report(str(run_dir), output_dir=str(work / "report-readme"))
-    first_run = report(str(run_dir), output_dir=str(work / "report-first"), launch="version_0")
-    _cli("fit", *TINY, "--trainer.max_steps=12", LAST, cwd=work)  # version_4 resumes version_0 at step 8
-    return {"run_dir": run_dir, "readme": readme, "first_run": first_run}
-
-
 def _rows(run_dir: Path, version: int, metric: str) -> dict[int, float]:
     with (run_dir / f"version_{version}" / "metrics.csv").open() as f:
         return {int(row["step"]): float(row[metric]) for row in csv.DictReader(f) if row.get(metric)}
@@ -72,93 +52,105 @@ def _best_val(run_dir: Path, versions: list[int]) -> str:
     return f"<th>best val/loss</th><td>{points[step]:.4f} (step {step})</td>"
 
 
-def test_report_of_the_readme_folder_shows_the_newest_run_only(mixed):
-    run_dir, result = mixed["run_dir"], mixed["readme"]
+def test_report_shows_one_run_of_a_folder_of_mixed_launches(tmp_path):
+    """The README's commands in one folder, as real CLI launches (the issue's case): a run, a fresh fit
+    with other settings, a validate, a fit on another corpus. Then a resume of the first run."""
+    _cli("fit", *TINY, "--trainer.max_steps=8", cwd=tmp_path)  # version_0
+    _cli("fit", *TINY, "--trainer.max_steps=12", "--model.init_args.learning_rate=1e-3", cwd=tmp_path)
+    _cli("validate", *TINY, LAST, cwd=tmp_path)  # version_2
+    shutil.copytree(REPO / "lightning_train" / "loggers", tmp_path / "corpus")
+    _cli("prepare", "--inputs", "[corpus/]", "--output_dir", "data/other", "--val_fraction", "0.3",
+         "--num_workers", "0", cwd=tmp_path)
+    _cli("fit", *TINY, "--trainer.max_steps=6", "--data.init_args.data_dir=data/other", cwd=tmp_path)  # 3
+    run_dir = tmp_path / "runs" / "mixed"
+
+    # the newest run alone: the fit on the other corpus; the others are listed, not drawn
+    result = report(str(run_dir), output_dir=str(tmp_path / "newest"))
     assert result["run"] == ["version_3"] and result["resumed_at"] == []
     roles = {launch["name"]: launch["role"] for launch in result["launches"]}
     assert roles == {"version_0": "another run", "version_1": "another run",
                      "version_2": "evaluation, not a training curve", "version_3": "this run"}
-    assert [launch["kind"] for launch in result["launches"]] == ["fit", "fit", "validate", "fit"]
     assert result["plots"]["loss"]["series"] == {"train/loss": len(_rows(run_dir, 3, "train/loss")),
                                                  "val/loss": len(_rows(run_dir, 3, "val/loss"))}
     page = Path(result["html"]).read_text()
-    assert _best_val(run_dir, [3]) in page
-    assert "report it with --launch version_0" in page
-    (validated,) = _rows(run_dir, 2, "val/loss").values()
-    assert f"evaluation, not a training curve: val/loss {validated:.4f}" in page
+    (validated,) = _rows(run_dir, 2, "val/loss").items()
+    assert validated[0] == 0  # the validate logged its val/loss at step 0: a result, not a curve point
+    assert f"evaluation, not a training curve: val/loss {validated[1]:.4f}" in page
+    assert _best_val(run_dir, [3]) in page and "report it with --launch version_0" in page
 
-
-def test_report_of_an_older_run_leaves_out_the_validate(mixed):
-    run_dir, result = mixed["run_dir"], mixed["first_run"]
+    # an older run on request: its own points only
+    result = report(str(run_dir), output_dir=str(tmp_path / "first"), launch="version_0")
     assert result["run"] == ["version_0"] and result["resumed_at"] == []
-    assert min(_rows(run_dir, 2, "val/loss")) == 0  # the validate logged its val/loss at step 0 ...
-    val_points = len(_rows(run_dir, 0, "val/loss"))
-    assert result["plots"]["loss"]["series"]["val/loss"] == val_points  # ... which is not drawn
+    assert result["plots"]["loss"]["series"]["val/loss"] == len(_rows(run_dir, 0, "val/loss"))
     assert _best_val(run_dir, [0]) in Path(result["html"]).read_text()
 
-
-def test_a_later_resume_continues_its_run_past_the_launches_in_between(mixed):
-    """version_4 resumed version_0's last.ckpt after version_1 (other settings) covered those steps."""
-    run_dir = mixed["run_dir"]
-    result = run_cli("report", str(run_dir), cwd=run_dir.parent)
-    assert result.returncode == 0, result.stderr[-3000:]
-    summary = json.loads((run_dir / "report" / "report.json").read_text())
-    assert summary["run"] == ["version_0", "version_4"]
-    assert summary["resumed_at"] == [_first_step(run_dir, 4)]
-    roles = {launch["name"]: launch["role"] for launch in summary["launches"]}
-    assert roles["version_1"] == roles["version_3"] == "another run"
-    series, train_loss = load_run(run_dir).series, {}
-    for version, until in ((0, _first_step(run_dir, 4)), (4, 10**9)):
-        train_loss.update({s: v for s, v in _rows(run_dir, version, "train/loss").items() if s < until})
-    steps, values = series["train/loss"]
+    # resuming version_0 after version_1 (other settings) covered those steps continues version_0's run
+    _cli("fit", *TINY, "--trainer.max_steps=12", LAST, cwd=tmp_path)  # version_4
+    shown = run_cli("report", str(run_dir), cwd=tmp_path)
+    assert shown.returncode == 0, shown.stderr[-3000:]
+    result = json.loads((run_dir / "report" / "report.json").read_text())
+    assert result["run"] == ["version_0", "version_4"]
+    assert result["resumed_at"] == [_first_step(run_dir, 4)]
+    train_loss = {s: v for s, v in _rows(run_dir, 0, "train/loss").items() if s < _first_step(run_dir, 4)}
+    train_loss.update(_rows(run_dir, 4, "train/loss"))
+    steps, values = load_run(run_dir).series["train/loss"]
     assert dict(zip(steps.tolist(), values.tolist(), strict=True)) == train_loss
     assert _best_val(run_dir, [0, 4]) in (run_dir / "report" / "report.html").read_text()
-    assert summary["plots"]["recovery"]["note"].startswith("no recovery events")
+
+    refused = run_cli("report", str(run_dir), "--launch", "version_2", cwd=tmp_path)
+    assert refused.returncode == 2, refused.stderr[-3000:]
+    assert refused.stderr.startswith("error: launch 'version_2' is not a training launch of this folder; "
+                                     "pass one of version_0, version_1, version_3, version_4")
 
 
-def test_report_refuses_a_launch_that_is_not_a_training_run(mixed):
-    run_dir = mixed["run_dir"]
-    result = run_cli("report", str(run_dir), "--launch", "version_2", "--output_dir", "unused",
-                     cwd=run_dir.parent)
-    assert result.returncode == 2, result.stderr[-3000:]
-    assert result.stderr.startswith("error: launch 'version_2' is not a training launch of this folder; "
-                                    "pass one of version_0, version_1, version_3, version_4")
-
-
-def test_report_page_renders_in_a_browser(mixed, tmp_path):
-    browser = find_browser()
-    if browser is None:
-        pytest.skip(NO_BROWSER)
-    page = mixed["run_dir"] / "report" / "report.html"
-    if not page.exists():
-        report(str(mixed["run_dir"]))
-    plots = json.loads(page.with_name("report.json").read_text())["plots"]
-    screenshot = tmp_path / "report.png"
-    seen = render(page, screenshot, browser)
-    assert len(seen["images"]) == len(plots) == 7
-    assert all(image["width"] == 990 and image["height"] == 528 for image in seen["images"]), seen["images"]
-    sections = {section["id"]: section for section in seen["sections"]}
-    assert list(sections) == ["summary", "launches", "plots", "not-shown", "alerts"]
-    assert all(section["height"] > 20 and section["text"] > 20 for section in sections.values()), sections
-    assert screenshot.stat().st_size > 50_000
-    shutil.copy(screenshot, mixed["run_dir"] / "report" / "screenshot.png")  # to look at after a run
-
-
-def test_finetune_report_plots_accuracy_beside_loss_and_lr(mixed, tmp_path):
-    init_from = mixed["run_dir"] / "checkpoints" / "last.ckpt"
+@pytest.fixture(scope="module")
+def tiny_runs(tmp_path_factory) -> dict[str, Path]:
+    """A pretraining run of 8 steps and a fine-tuning run of 8 steps from its checkpoint, by the CLI."""
+    work = tmp_path_factory.mktemp("tiny-runs")
+    _cli("fit", *TINY, "--trainer.max_steps=8", cwd=work)
     _cli("fit", "--config", str(REPO / "configs" / "finetune-tiny.yaml"),
-         "--trainer.default_root_dir=runs/ft", f"--model.init_args.init_from={init_from}",
+         "--trainer.default_root_dir=runs/ft", f"--model.init_args.init_from={work / LAST.split('=')[1]}",
          "--trainer.max_steps=8", "--trainer.val_check_interval=4", "--trainer.limit_val_batches=1",
          "--trainer.log_every_n_steps=2", "--trainer.enable_progress_bar=false",
          "--data.init_args.seq_len=32", "--data.init_args.batch_size=8", "--data.init_args.eval_prompts=4",
-         "--model.init_args.eval_max_new_tokens=4", cwd=tmp_path)
-    result = report(str(tmp_path / "runs" / "ft"))
+         "--model.init_args.eval_max_new_tokens=4", cwd=work)
+    return {"pretrain": work / "runs" / "mixed", "finetune": work / "runs" / "ft"}
+
+
+def test_finetune_report_plots_accuracy_beside_loss_and_lr(tiny_runs, tmp_path):
+    result = report(str(tiny_runs["finetune"]), output_dir=str(tmp_path))
     assert {"loss", "lr", "accuracy"} <= set(result["plots"])
     accuracy = result["plots"]["accuracy"]["series"]
-    assert accuracy["val/exact_match"] == 2
+    assert accuracy["val/exact_match"] == len(_rows(tiny_runs["finetune"], 0, "val/exact_match")) == 2
     assert accuracy.get("val/token_accuracy", accuracy.get("val/token_acc")) == 2
     page = Path(result["html"]).read_text()
     assert "best val/exact_match" in page and 'alt="Accuracy (fine-tuning)"' in page
+
+
+def test_report_of_a_run_without_recovery_events_says_so(tiny_runs, tmp_path):
+    result = report(str(tiny_runs["pretrain"]), output_dir=str(tmp_path))
+    assert _rows(tiny_runs["pretrain"], 0, "recovery/skipped_steps")  # NaNRecovery logged its counters
+    assert result["plots"]["recovery"]["note"] == ("no recovery events (recovery/rollbacks, "
+                                                   "recovery/skipped_batches, recovery/skipped_steps, "
+                                                   "recovery/spikes stayed 0)")
+    assert "Recovery events and alerts: no recovery events" in Path(result["html"]).read_text()
+
+
+@pytest.mark.parametrize(("run", "plots"), [("pretrain", 6), ("finetune", 3)])
+def test_report_page_renders_in_a_browser(tiny_runs, tmp_path, run, plots):
+    browser = find_browser()
+    if browser is None:
+        pytest.skip(NO_BROWSER)
+    result = report(str(tiny_runs[run]), output_dir=str(tmp_path / "report"))
+    screenshot = tmp_path / "screenshot.png"
+    seen = render(Path(result["html"]), screenshot, browser)
+    assert len(seen["images"]) == len(result["plots"]) == plots
+    assert all(image["width"] == 990 and image["height"] == 528 for image in seen["images"]), seen["images"]
+    sections = {section["id"]: section for section in seen["sections"]}
+    assert list(sections) == ["summary", "launches", "plots", "not-shown", "alerts"]
+    for section in sections.values():  # each laid out, with more in it than its heading
+        assert section["height"] > 20 and section["text"] > len(section["heading"]), section
+    assert screenshot.stat().st_size > 50_000
 
 
 def _write_csv(path: Path, rows: list[dict]) -> None:
