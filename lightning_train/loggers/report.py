@@ -269,6 +269,7 @@ def _arrays(by_step: dict[int, float]) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _labels(ax: Any, y_label: str, x_label: bool = True) -> None:
+    ax.xaxis.get_major_locator().set_params(integer=True)  # steps are whole numbers
     if x_label:
         ax.set_xlabel(STEP_LABEL)
     ax.set_ylabel(y_label)
