@@ -162,7 +162,7 @@ def _write_csv(path: Path, rows: list[dict]) -> None:
         writer.writerows(rows)
 
 
-def test_report_plots_amp_recovery_alerts_and_skips_the_rest(tmp_path):
+def test_report_plots_amp_recovery_alerts_and_skips_the_rest(tmp_path, capsys):
     """Launches of a Trainer without the CLI (no config.yaml): a relaunch that resumed from step 4."""
     run_dir = tmp_path / "run"
     scale = [65536.0, 65536.0, 32768.0, 32768.0, 16384.0, 16384.0]
@@ -187,6 +187,8 @@ def test_report_plots_amp_recovery_alerts_and_skips_the_rest(tmp_path):
     assert run.resumed_at == [4] and run.alerts == [alert]
 
     result = report(str(run_dir))
+    assert capsys.readouterr().out == ""  # the library writes files and returns; the CLI prints
+    assert result["html"] == str(run_dir / "report" / "report.html")
     assert result["plots"]["loss_scale"]["series"] == {"amp/loss_scale": 9, "overflows": 2}
     assert result["plots"]["recovery"]["series"] == {"recovery/rollbacks": 5, "recovery/skipped_steps": 9,
                                                       "alerts": 1}

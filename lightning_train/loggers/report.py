@@ -369,9 +369,10 @@ def _launch_row(facts: dict[str, Any]) -> str:
     if "metrics" in facts:
         role += ": " + ", ".join(f"{name} {value:.4f}" for name, value in facts["metrics"].items())
     style = "" if facts["role"] == "this run" else ' class="other"'
+    origin = facts.get("resumed_from")  # a launch of this folder; else the checkpoint as typed
+    origin = facts.get("ckpt_path") if origin in (None, "elsewhere") else origin
     return (f"<tr{style}><td>{esc(facts['name'])}</td><td>{esc(facts['kind'])}</td><td>{esc(steps)}</td>"
-            f"<td>{esc(str(facts.get('resumed_from') or facts.get('ckpt_path') or ''))}</td>"
-            f"<td>{esc(role)}</td></tr>\n")
+            f"<td>{esc(str(origin or ''))}</td><td>{esc(role)}</td></tr>\n")
 
 
 def _css_color(level: str) -> str:

@@ -43,6 +43,7 @@ def render(page: Path, screenshot: Path, browser: str, width: int = 1100, height
            ) -> dict[str, Any]:
     """Load ``page``; return its images (natural sizes) and sections (heading, rendered height), and
     save a full-length screenshot of the page as it is (without the probe) to ``screenshot``."""
+    page = page.resolve()
     probed = page.with_name(f"{page.stem}.probe.html")
     probed.write_text(page.read_text().replace("</body>", PROBE + "</body>"))
     profile = page.parent / ".chromium-profile"
@@ -50,7 +51,8 @@ def render(page: Path, screenshot: Path, browser: str, width: int = 1100, height
              f"--user-data-dir={profile}", "--virtual-time-budget=10000"]
     try:
         dom = _run([*flags, "--dump-dom", probed.as_uri()]).stdout
-        _run([*flags, f"--window-size={width},{height}", f"--screenshot={screenshot}", page.as_uri()])
+        _run([*flags, "--run-all-compositor-stages-before-draw", f"--window-size={width},{height}",
+              f"--screenshot={screenshot}", page.as_uri()])
     finally:
         probed.unlink()
         shutil.rmtree(profile, ignore_errors=True)
