@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 # One OpenMP thread per process: tests run two workers (and two-rank process groups) on 2 cores.
 TEST_ENV := OMP_NUM_THREADS=1 WANDB_MODE=offline WANDB_SILENT=true
 
-.PHONY: venv train test test-quick lint
+.PHONY: venv browser train test test-quick lint
 
 venv: $(VENV)/.installed
 
@@ -20,10 +20,19 @@ $(VENV)/.installed: pyproject.toml
 train: venv
 	$(PY) -m lightning_train fit --config configs/pretrain-tiny.yaml
 
-test: venv
+# tests/test_report.py opens report.html in headless Chromium: install it from the OS packages when it
+# is missing and this runs as root (a fresh CI machine); elsewhere that test skips and says why.
+browser:
+	@command -v chromium >/dev/null || command -v chromium-browser >/dev/null || \
+	  command -v google-chrome >/dev/null || \
+	  { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+	    apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium; } || \
+	  echo "make browser: no Chromium and no way to install it here (needs root and apt-get)"
+
+test: venv browser
 	$(TEST_ENV) $(PY) -m pytest -n 2 --durations=15 -q
 
-test-quick: venv
+test-quick: venv browser
 	$(TEST_ENV) $(PY) -m pytest -n 2 -q -m "not slow"
 
 lint: venv

@@ -20,9 +20,10 @@ def tiny_config() -> GPTConfig:
 
 
 def cli_env(**extra: str) -> dict[str, str]:
-    """Environment for subprocesses: this checkout importable, one thread a process, W&B offline,
-    and one shared cache for the default corpus."""
+    """Environment for subprocesses: this checkout importable, one thread a process, W&B offline with
+    a W&B service of its own, and one shared cache for the default corpus."""
     env = dict(os.environ)
+    env.pop("WANDB_SERVICE", None)  # exported by an in-process wandb.init; a subprocess starts its own
     env.update(
         PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""),
         OMP_NUM_THREADS="1",

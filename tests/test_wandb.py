@@ -17,8 +17,8 @@ from lightning_train.alerts import send_alert
 from lightning_train.loggers import WandbLogger
 from lightning_train.loggers.dashboard import NAMESPACES, STEP_METRIC
 from lightning_train.loggers.wandb import REDACTED, redact_secrets
-from lightning_train.loggers.wandb_offline import find_run_files, read_run
 from tests.conftest import REPO, cli_env, run_cli
+from tests.helpers.wandb_offline import find_run_files, read_run
 
 FAKE_API_KEY = "0123456789abcdef0123456789abcdef01234567"  # 40 characters, like a real W&B key
 FAKE_TOKEN = "hf_fakeTokenValue9876543210"
@@ -100,13 +100,6 @@ def test_redact_secrets_names_credentials_not_tokenizer_settings(monkeypatch):
     }
 
 
-def _cli_env(**extra: str) -> dict[str, str]:
-    """Subprocess environment with its own W&B service (an in-process run exports WANDB_SERVICE)."""
-    env = cli_env(**extra)
-    env.pop("WANDB_SERVICE", None)
-    return env
-
-
 def _small_wandb_config(tmp_path: Path, **wandb_args) -> Path:
     """configs/pretrain-tiny-wandb.yaml, shrunk to seconds, with the W&B logger's init_args changed."""
     config = yaml.safe_load((REPO / "configs" / "pretrain-tiny-wandb.yaml").read_text())
@@ -128,7 +121,7 @@ def test_misconfigured_wandb_warns_and_training_goes_on(tmp_path):
     """Online mode without an API key and with an unknown entity and an unreachable server: the run
     warns, falls back to an offline W&B run, and trains to the end."""
     config = _small_wandb_config(tmp_path, offline=False, entity="no-such-entity", init_timeout=5)
-    env = _cli_env(WANDB_MODE="online", HOME=str(tmp_path), WANDB_CONFIG_DIR=str(tmp_path / "wandb-config"),
+    env = cli_env(WANDB_MODE="online", HOME=str(tmp_path), WANDB_CONFIG_DIR=str(tmp_path / "wandb-config"),
                   WANDB_BASE_URL="http://127.0.0.1:9", NETRC=str(tmp_path / "no-netrc"))
     env.pop("WANDB_API_KEY", None)
     result = run_cli("fit", "--config", str(config), cwd=tmp_path, env=env, timeout=240)
@@ -145,7 +138,7 @@ def test_misconfigured_wandb_warns_and_training_goes_on(tmp_path):
 def test_two_process_job_writes_one_grouped_run_or_one_per_rank(tmp_path, log_all_ranks):
     config = _small_wandb_config(tmp_path, log_all_ranks=log_all_ranks)
     result = run_cli("fit", "--config", str(config), "--trainer.devices=2", "--trainer.accelerator=cpu",
-                     cwd=tmp_path, env=_cli_env(), timeout=300)
+                     cwd=tmp_path, env=cli_env(), timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     runs = [read_run(path, timeout=30) for path in find_run_files(tmp_path / "run" / "wandb")]
     assert len(runs) == (2 if log_all_ranks else 1)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import wandb
 
-from lightning_train.loggers.wandb_offline import (
+from tests.helpers.wandb_offline import (
     BLOCK_SIZE,
     WandbFileError,
     find_run_files,

@@ -8,4 +8,4 @@ from lightning_train.loggers.report import report
 
 def main(args: list[str]) -> None:
     result = report(**parse_tool_args(report, args, "report", positional=True))
-    print(f"report: {result['output_dir']}/report.html ({len(result['plots'])} plots)")
+    print(f"report: {result['html']} ({len(result['plots'])} plots)")

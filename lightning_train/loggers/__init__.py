@@ -1,4 +1,4 @@
-"""Loggers and run reports: the W&B preset, its dashboard, an offline run-file reader, PNG/HTML reports."""
+"""Loggers and run reports: the W&B preset, its dashboard, PNG/HTML reports of a run folder."""
 
 from lightning_train.loggers.wandb import WandbLogger
 

@@ -1,93 +1,107 @@
-"""Run reports without W&B: PNG plots and one self-contained HTML page from a run folder.
+"""Run reports without W&B: PNG plots and one self-contained HTML page of one run.
 
     python -m lightning_train report runs/pretrain-tiny     # -> runs/pretrain-tiny/report/
 
-Reads every ``version_*/metrics.csv`` of the run in order (a resumed run has one per launch; where
-launches overlap, e.g. after resuming from an older checkpoint, the later launch wins) and the
-alerts of ``lightning_train.alerts`` (``alerts.jsonl``). Plots: loss, learning rate, gradient norms
-(total, and a steps x groups heatmap), loss scale with overflow marks, recovery events with alerts,
-and throughput. A namespace the run did not log is skipped with a note on the page.
-``report.json`` lists every plot with the number of points of each series it drew.
+A run folder can hold several launches (``version_N/``); the report shows one run, the chain of fit
+launches that resumed one another (see ``lightning_train.loggers.launches``): by default the run of the
+newest fit launch, or the run of ``launch``. Other runs and ``validate``/``test`` launches are listed on
+the page, never drawn as training curves, and never enter the summary. Where a launch resumed from an
+earlier step, its points replace its ancestors' from that step on.
+
+Plots: loss, learning rate, fine-tuning accuracy (exact match, token accuracy), gradient norms (total,
+and a steps x groups heatmap), loss scale with overflow marks, recovery events with alerts, and
+throughput. A namespace the run did not log is skipped with a note on the page. ``report.json`` lists
+every launch, the run's launches, and every plot with the number of points of each series it drew.
 """
 
 from __future__ import annotations
 
 import base64
-import csv
 import html
 import json
-import re
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from matplotlib.colors import LogNorm
 from matplotlib.figure import Figure
+from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
-from lightning_train.alerts import read_alerts
-from lightning_train.errors import UserInputError
+from lightning_train.loggers.launches import Launch, merge_chain, read_launches, select_run
 
 Series = dict[str, tuple[np.ndarray, np.ndarray]]  # metric -> (steps, values), sorted by step
 STEP_LABEL = "optimizer step"
 LEVEL_COLORS = {"INFO": "tab:blue", "WARN": "tab:orange", "ERROR": "tab:red"}
+ACCURACY_METRICS = ("val/exact_match", "val/token_accuracy", "val/token_acc", "train/token_accuracy")
 
 
-def load_run(run_dir: str | Path) -> tuple[Series, list[int], list[dict[str, Any]]]:
-    """The run's metric series, the steps where a later launch resumed, and its alerts."""
-    versions = sorted(Path(run_dir).glob("version_*/metrics.csv"), key=lambda p: _version_number(p.parent))
-    if not versions:
-        raise UserInputError(f"no version_*/metrics.csv under {str(run_dir)!r}; pass the run folder "
-                             "(trainer.default_root_dir) of a run that logged with the CSV logger")
-    points: dict[str, dict[int, float]] = {}
-    resumed_at, alerts = [], read_alerts(run_dir)
-    for index, path in enumerate(versions):
-        with path.open(newline="") as f:
-            rows = [row for row in csv.DictReader(f) if row.get("step")]
-        if index and rows:
-            resumed_at.append(min(int(float(row["step"])) for row in rows))
-        for row in rows:
-            step = int(float(row.pop("step")))
-            for name, value in row.items():
-                if value not in ("", None) and name != "epoch":
-                    points.setdefault(name, {})[step] = float(value)  # a later launch overrides
-        alerts += read_alerts(path.parent)
+@dataclass
+class RunHistory:
+    """One run of a folder: its metric series, where it resumed, its alerts, and its launches."""
+
+    series: Series
+    resumed_at: list[int]  # the first step of each launch after the first
+    alerts: list[dict[str, Any]]
+    chain: list[Launch]  # the run's launches, oldest first
+    launches: list[Launch]  # every launch in the folder
+
+
+@dataclass
+class Drawn:
+    """What a plot drew: points per series, and a note for the caption."""
+
+    series: dict[str, int]
+    note: str = ""
+
+
+def load_run(run_dir: str | Path, launch: str | None = None) -> RunHistory:
+    """The run of ``launch`` (a ``version_N`` name; default: the newest fit launch) in ``run_dir``."""
+    launches = read_launches(run_dir)
+    chain = select_run(launches, launch)
+    points, resumed_at, alerts = merge_chain(chain)
     series = {name: _arrays(by_step) for name, by_step in points.items()}
-    return series, resumed_at, sorted(alerts, key=lambda a: (a["step"], a.get("time", 0)))
+    return RunHistory(series, resumed_at, alerts, chain, launches)
 
 
-def report(run_dir: str, output_dir: str | None = None) -> dict[str, Any]:
-    """Render a run's metrics to PNGs plus ``report.html`` and ``report.json``.
+def report(run_dir: str, output_dir: str | None = None, launch: str | None = None) -> dict[str, Any]:
+    """Render one run's metrics to PNGs plus ``report.html`` and ``report.json``.
 
     Args:
         run_dir: the run folder (``trainer.default_root_dir``, holding ``version_*/metrics.csv``).
         output_dir: where to write (default ``<run_dir>/report``).
+        launch: report the run that this launch (``version_N``) belongs to; default: the newest fit.
 
     Returns:
-        What ``report.json`` holds: the output folder, the files, the points per plotted series, and
-        the notes.
+        What ``report.json`` holds: the page, the run's launches and every launch of the folder, the
+        points per plotted series, and the notes on what was not plotted.
     """
-    series, resumed_at, alerts = load_run(run_dir)
+    run = load_run(run_dir, launch)
     out = Path(output_dir) if output_dir else Path(run_dir) / "report"
     out.mkdir(parents=True, exist_ok=True)
-    result: dict[str, Any] = {"run_dir": str(run_dir), "output_dir": str(out), "plots": {}, "notes": [],
-                              "alerts": len(alerts), "resumed_at": resumed_at}
+    result: dict[str, Any] = {
+        "run_dir": str(run_dir), "html": str(out / "report.html"), "run": [item.name for item in run.chain],
+        "resumed_at": run.resumed_at, "launches": [_describe(item, run) for item in run.launches],
+        "plots": {}, "notes": [], "alerts": len(run.alerts),
+    }
     for name, title, plot in PLOTS:
         figure = Figure(figsize=(9, 4.8), layout="constrained")
-        drawn = plot(figure, series, resumed_at, alerts)
+        drawn = plot(figure, run.series, run.resumed_at, run.alerts)
         if isinstance(drawn, str):  # nothing to draw: the note says why
             result["notes"].append(drawn)
             continue
         figure.suptitle(title, fontsize=13, fontweight="bold")
         figure.savefig(out / f"{name}.png", dpi=110)
-        result["plots"][name] = {"file": f"{name}.png", "title": title, "series": drawn}
+        entry = {"file": f"{name}.png", "title": title, "series": drawn.series}
+        result["plots"][name] = {**entry, "note": drawn.note} if drawn.note else entry
     (out / "report.json").write_text(json.dumps(result, indent=2) + "\n")
-    (out / "report.html").write_text(_html(result, series, alerts, out))
+    (out / "report.html").write_text(_html(result, run, out))
     return result
 
 
-# ---- plots: each draws on a figure and returns {series: points}, or a note when it has no data ----
-def _plot_loss(fig: Figure, s: Series, resumed_at: list[int], alerts: list) -> dict[str, int] | str:
+# ---- plots: each draws on a figure and returns what it drew, or a note when it has no data ---------
+def _plot_loss(fig: Figure, s: Series, resumed_at: list[int], alerts: list) -> Drawn | str:
     drawn = {k: len(s[k][0]) for k in ("train/loss", "val/loss") if k in s}
     if not drawn:
         return "Loss: no train/loss or val/loss logged."
@@ -96,13 +110,13 @@ def _plot_loss(fig: Figure, s: Series, resumed_at: list[int], alerts: list) -> d
         ax.plot(*s["train/loss"], color="tab:blue", lw=1, alpha=0.8, label="train/loss")
     if "val/loss" in s:
         ax.plot(*s["val/loss"], color="tab:orange", lw=2, marker="o", ms=4, label="val/loss")
-    _log_if_wide(ax, [s[k][1] for k in drawn])
+    scale = _value_axis(ax, [s[k][1] for k in drawn])
     _mark_resumes(ax, resumed_at)
-    _labels(ax, "cross-entropy (nats/token)")
-    return drawn
+    _labels(ax, f"cross-entropy (nats/token){scale}")
+    return Drawn(drawn)
 
 
-def _plot_lr(fig: Figure, s: Series, resumed_at: list[int], alerts: list) -> dict[str, int] | str:
+def _plot_lr(fig: Figure, s: Series, resumed_at: list[int], alerts: list) -> Drawn | str:
     if "train/lr" not in s:
         return "Learning rate: no train/lr logged."
     ax = fig.add_subplot()
@@ -110,21 +124,36 @@ def _plot_lr(fig: Figure, s: Series, resumed_at: list[int], alerts: list) -> dic
     ax.ticklabel_format(axis="y", style="sci", scilimits=(-2, 3))
     _mark_resumes(ax, resumed_at)
     _labels(ax, "learning rate")
-    return {"train/lr": len(s["train/lr"][0])}
+    return Drawn({"train/lr": len(s["train/lr"][0])})
 
 
-def _plot_grad_norm(fig: Figure, s: Series, resumed_at: list[int], alerts: list) -> dict[str, int] | str:
+def _plot_accuracy(fig: Figure, s: Series, resumed_at: list[int], alerts: list) -> Drawn | str:
+    names = [name for name in ACCURACY_METRICS if name in s]
+    if not names:
+        return "Accuracy: no val/exact_match or token accuracy logged (a fine-tuning run logs them)."
+    ax = fig.add_subplot()
+    for name in names:
+        steps, values = s[name]
+        style = {"lw": 1, "alpha": 0.8} if name.startswith("train/") else {"lw": 2, "marker": "o", "ms": 4}
+        ax.plot(steps, 100 * values, label=name, **style)
+    ax.set_ylim(-2, 102)  # lines at 0 % and 100 % stay visible
+    _mark_resumes(ax, resumed_at)
+    _labels(ax, "accuracy (%)")
+    return Drawn({name: len(s[name][0]) for name in names})
+
+
+def _plot_grad_norm(fig: Figure, s: Series, resumed_at: list[int], alerts: list) -> Drawn | str:
     if "health/grad_norm" not in s:
         return "Gradient norm: no health/ metrics logged (add lightning_train.callbacks.GradNormMonitor)."
     ax = fig.add_subplot()
     ax.plot(*s["health/grad_norm"], color="tab:purple", lw=1, label="health/grad_norm (total)")
-    ax.set_yscale("log")
+    scale = _value_axis(ax, [s["health/grad_norm"][1]])
     _mark_resumes(ax, resumed_at)
-    _labels(ax, "L2 norm, before clipping (log scale)")
-    return {"health/grad_norm": len(s["health/grad_norm"][0])}
+    _labels(ax, f"L2 norm, before clipping{scale}")
+    return Drawn({"health/grad_norm": len(s["health/grad_norm"][0])})
 
 
-def _plot_grad_norm_groups(fig: Figure, s: Series, resumed_at: list[int], alerts: list) -> dict | str:
+def _plot_grad_norm_groups(fig: Figure, s: Series, resumed_at: list[int], alerts: list) -> Drawn | str:
     groups = sorted(k for k in s if k.startswith("health/grad_norm/"))
     if not groups:
         return "Gradient norm by group: no health/grad_norm/<group> logged."
@@ -142,10 +171,10 @@ def _plot_grad_norm_groups(fig: Figure, s: Series, resumed_at: list[int], alerts
     fig.colorbar(image, ax=ax, label="L2 norm (log color scale)")
     ax.set_xlabel(STEP_LABEL)
     ax.set_ylabel("parameter group")
-    return {g: len(s[g][0]) for g in groups}
+    return Drawn({g: len(s[g][0]) for g in groups})
 
 
-def _plot_loss_scale(fig: Figure, s: Series, resumed_at: list[int], alerts: list) -> dict[str, int] | str:
+def _plot_loss_scale(fig: Figure, s: Series, resumed_at: list[int], alerts: list) -> Drawn | str:
     if "amp/loss_scale" not in s:
         return "Loss scale: no amp/ metrics logged (a mixed-precision run with LossScaleMonitor logs them)."
     steps, scale = s["amp/loss_scale"]
@@ -163,15 +192,24 @@ def _plot_loss_scale(fig: Figure, s: Series, resumed_at: list[int], alerts: list
                    label="overflow (step skipped)")
     _mark_resumes(ax, resumed_at)
     _labels(ax, "loss scale (log2)")
-    drawn = {"amp/loss_scale": len(steps), "overflows": len(overflow)}
-    return drawn
+    return Drawn({"amp/loss_scale": len(steps), "overflows": len(overflow)})
 
 
-def _plot_recovery(fig: Figure, s: Series, resumed_at: list[int], alerts: list) -> dict[str, int] | str:
+def _plot_recovery(fig: Figure, s: Series, resumed_at: list[int], alerts: list) -> Drawn | str:
     counters = sorted(k for k in s if k.startswith("recovery/"))
     if not counters and not alerts:
         return "Recovery: no recovery/ metrics and no alerts (add NaNRecovery to see skips and rollbacks)."
+    drawn = {**{k: len(s[k][0]) for k in counters}, "alerts": len(alerts)}
     ax = fig.add_subplot()
+    all_steps = np.concatenate([steps for steps, _ in s.values()])
+    ax.set_xlim(all_steps.min(), max(all_steps.max(), all_steps.min() + 1))  # the whole run
+    if not alerts and all(np.nanmax(s[k][1]) == 0 for k in counters):
+        ax.text(0.5, 0.5, "no recovery events", transform=ax.transAxes, ha="center", va="center",
+                fontsize=18, color="tab:green")
+        ax.set_yticks([])
+        _mark_resumes(ax, resumed_at)
+        _labels(ax, "events")
+        return Drawn(drawn, note=f"no recovery events ({', '.join(counters)} stayed 0)")
     for name in counters:
         ax.step(*s[name], where="post", lw=1.5, label=name)
     for alert in alerts:
@@ -182,8 +220,6 @@ def _plot_recovery(fig: Figure, s: Series, resumed_at: list[int], alerts: list) 
     for level in sorted({a["level"] for a in alerts}):
         ax.plot([], [], color=LEVEL_COLORS.get(level, "gray"), ls="--", label=f"{level} alert")
     _mark_resumes(ax, resumed_at)
-    all_steps = np.concatenate([steps for steps, _ in s.values()])
-    ax.set_xlim(all_steps.min(), all_steps.max())  # the whole run, so events sit where they happened
     ax.yaxis.get_major_locator().set_params(integer=True)
     if counters:
         ax.set_ylim(bottom=0)
@@ -191,10 +227,10 @@ def _plot_recovery(fig: Figure, s: Series, resumed_at: list[int], alerts: list) 
     else:
         ax.set_yticks([])
         _labels(ax, "alerts (no recovery/ metrics logged)")
-    return {**{k: len(s[k][0]) for k in counters}, "alerts": len(alerts)}
+    return Drawn(drawn)
 
 
-def _plot_throughput(fig: Figure, s: Series, resumed_at: list[int], alerts: list) -> dict[str, int] | str:
+def _plot_throughput(fig: Figure, s: Series, resumed_at: list[int], alerts: list) -> Drawn | str:
     if "perf/tokens_per_sec" not in s:
         return "Throughput: no perf/ metrics logged (add lightning_train.callbacks.ThroughputMonitor)."
     has_mfu = "perf/mfu" in s
@@ -211,12 +247,13 @@ def _plot_throughput(fig: Figure, s: Series, resumed_at: list[int], alerts: list
         _mark_resumes(axes[1], resumed_at)
         _labels(axes[1], "MFU (% of peak FLOP/s)")
         drawn["perf/mfu"] = len(s["perf/mfu"][0])
-    return drawn
+    return Drawn(drawn)
 
 
-PLOTS: list[tuple[str, str, Callable[..., dict[str, int] | str]]] = [
+PLOTS: list[tuple[str, str, Callable[..., Drawn | str]]] = [
     ("loss", "Loss", _plot_loss),
     ("lr", "Learning rate", _plot_lr),
+    ("accuracy", "Accuracy (fine-tuning)", _plot_accuracy),
     ("grad_norm", "Gradient norm (total)", _plot_grad_norm),
     ("grad_norm_groups", "Gradient norm by parameter group", _plot_grad_norm_groups),
     ("loss_scale", "Mixed-precision loss scale", _plot_loss_scale),
@@ -226,17 +263,13 @@ PLOTS: list[tuple[str, str, Callable[..., dict[str, int] | str]]] = [
 
 
 # ---- helpers ---------------------------------------------------------------------------------------
-def _version_number(folder: Path) -> int:
-    match = re.fullmatch(r"version_(\d+)", folder.name)
-    return int(match.group(1)) if match else -1
-
-
 def _arrays(by_step: dict[int, float]) -> tuple[np.ndarray, np.ndarray]:
     steps = sorted(by_step)
     return np.array(steps), np.array([by_step[k] for k in steps])
 
 
 def _labels(ax: Any, y_label: str, x_label: bool = True) -> None:
+    ax.xaxis.get_major_locator().set_params(integer=True)  # steps are whole numbers
     if x_label:
         ax.set_xlabel(STEP_LABEL)
     ax.set_ylabel(y_label)
@@ -245,11 +278,17 @@ def _labels(ax: Any, y_label: str, x_label: bool = True) -> None:
         ax.legend(loc="best", fontsize=9)
 
 
-def _log_if_wide(ax: Any, values: list[np.ndarray]) -> None:
-    """Log scale when the values span more than ~one order of magnitude (early loss vs late)."""
+def _value_axis(ax: Any, values: list[np.ndarray]) -> str:
+    """A log axis when the values span more than a decade (early loss vs late), labelled once at
+    1, 2, 5 x 10^k in plain numbers; a linear one otherwise. Returns the y label's suffix."""
     finite = np.concatenate([v[np.isfinite(v) & (v > 0)] for v in values])
-    if finite.size and finite.max() / finite.min() > 10:
-        ax.set_yscale("log")
+    if not (finite.size and finite.max() / finite.min() > 10):
+        return ""
+    ax.set_yscale("log")
+    ax.yaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
+    ax.yaxis.set_minor_formatter(NullFormatter())  # minor ticks stay as marks, without labels
+    return " (log scale)"
 
 
 def _mark_resumes(ax: Any, resumed_at: list[int]) -> None:
@@ -257,21 +296,43 @@ def _mark_resumes(ax: Any, resumed_at: list[int]) -> None:
         ax.axvline(step, color="gray", ls=":", lw=1, label="resumed" if index == 0 else None)
 
 
-def _html(result: dict[str, Any], series: Series, alerts: list[dict[str, Any]], out: Path) -> str:
+def _describe(launch: Launch, run: RunHistory) -> dict[str, Any]:
+    facts = launch.describe()
+    if launch.name in {item.name for item in run.chain}:
+        facts["role"] = "this run"
+    elif launch.kind == "fit":
+        same_root = _root(launch, run.launches) == run.chain[0].name
+        facts["role"] = "abandoned branch of this run" if same_root else "another run"
+    elif launch.kind == "empty":
+        facts["role"] = "logged nothing"
+    else:
+        facts["role"] = "evaluation, not a training curve"
+    return facts
+
+
+def _root(launch: Launch, launches: list[Launch]) -> str:
+    by_name = {item.name: item for item in launches}
+    while launch.parent is not None:
+        launch = by_name[launch.parent]
+    return launch.name
+
+
+def _html(result: dict[str, Any], run: RunHistory, out: Path) -> str:
     esc = html.escape
-    facts = _summary_facts(series, alerts)
+    facts = _summary_facts(run)
     rows = "".join(f"<tr><th>{esc(k)}</th><td>{esc(v)}</td></tr>" for k, v in facts.items())
+    launch_rows = "".join(_launch_row(facts) for facts in result["launches"])
     figures = ""
     for plot in result["plots"].values():
         image = base64.b64encode((out / plot["file"]).read_bytes()).decode()
-        caption = ", ".join(f"{name} ({n} points)" for name, n in plot["series"].items())
+        caption = plot.get("note") or ", ".join(f"{name} ({n} points)" for name, n in plot["series"].items())
         figures += (f'<figure><img alt="{esc(plot["title"])}" src="data:image/png;base64,{image}">'
-                    f'<figcaption>{esc(plot["title"])}: {esc(caption)}</figcaption></figure>')
+                    f'<figcaption>{esc(plot["title"])}: {esc(caption)}</figcaption></figure>\n')
     notes = "".join(f"<li>{esc(note)}</li>" for note in result["notes"])
     alert_rows = "".join(
         f'<tr><td>{a["step"]}</td><td style="color:{_css_color(a["level"])}">'
         f'{esc(a["level"])}</td><td>{esc(a["title"])}</td><td>{esc(a["text"])}</td></tr>'
-        for a in alerts
+        for a in run.alerts
     )
     return f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>Run report: {esc(result["run_dir"])}</title>
@@ -280,31 +341,58 @@ body {{ font-family: system-ui, sans-serif; max-width: 1000px; margin: 2em auto;
 table {{ border-collapse: collapse; margin: 1em 0; }}
 th, td {{ padding: 4px 10px; border-bottom: 1px solid #ddd; text-align: left; }}
 figure {{ margin: 2em 0; }} img {{ max-width: 100%; }} figcaption {{ color: #555; }}
-.notes {{ background: #fff8e1; padding: 0.6em 2em; }}
+.notes {{ background: #fff8e1; padding: 0.6em 2em; }} .other {{ color: #777; }}
 </style></head><body>
 <h1>Run report</h1><p><code>{esc(result["run_dir"])}</code></p>
-<table>{rows}</table>
-{f'<div class="notes"><p>Not shown:</p><ul>{notes}</ul></div>' if notes else ""}
-{figures}
-<h2>Alerts</h2>
+<section id="summary"><h2>Summary</h2><table>{rows}</table></section>
+<section id="launches"><h2>Launches in this folder</h2>
+<p>This report shows one run: {esc(" → ".join(result["run"]))}. Other launches are listed, not plotted.</p>
+<table><tr><th>launch</th><th>kind</th><th>steps</th><th>resumed from</th><th>role</th></tr>
+{launch_rows}</table></section>
+<section id="plots"><h2>Plots</h2>
+{figures}</section>
+{f'<section id="not-shown" class="notes"><h2>Not shown</h2><ul>{notes}</ul></section>' if notes else ""}
+<section id="alerts"><h2>Alerts</h2>
 {f"<table><tr><th>step</th><th>level</th><th>title</th><th>text</th></tr>{alert_rows}</table>"
- if alerts else "<p>No alerts.</p>"}
+ if run.alerts else "<p>No alerts.</p>"}
+</section>
 </body></html>
 """
+
+
+def _launch_row(facts: dict[str, Any]) -> str:
+    esc = html.escape
+    steps = "–".join(str(step) for step in dict.fromkeys(facts.get("steps", []))) or "none"
+    role = facts["role"]
+    if role == "another run":
+        role += f" (report it with --launch {facts['name']})"
+    if "metrics" in facts:
+        role += ": " + ", ".join(f"{name} {value:.4f}" for name, value in facts["metrics"].items())
+    style = "" if facts["role"] == "this run" else ' class="other"'
+    origin = facts.get("resumed_from")  # a launch of this folder; else the checkpoint as typed
+    origin = facts.get("ckpt_path") if origin in (None, "elsewhere") else origin
+    return (f"<tr{style}><td>{esc(facts['name'])}</td><td>{esc(facts['kind'])}</td><td>{esc(steps)}</td>"
+            f"<td>{esc(str(origin or ''))}</td><td>{esc(role)}</td></tr>\n")
 
 
 def _css_color(level: str) -> str:
     return LEVEL_COLORS.get(level, "gray").removeprefix("tab:")
 
 
-def _summary_facts(s: Series, alerts: list[dict[str, Any]]) -> dict[str, str]:
-    facts = {"last step": str(max(int(steps[-1]) for steps, _ in s.values()))}
+def _summary_facts(run: RunHistory) -> dict[str, str]:
+    s = run.series
+    facts = {"launches": " → ".join(launch.name for launch in run.chain),
+             "last step": str(max(int(steps[-1]) for steps, _ in s.values()))}
     if "train/loss" in s:
         facts["last train/loss"] = f"{s['train/loss'][1][-1]:.4f}"
     if "val/loss" in s:
         best = int(np.nanargmin(s["val/loss"][1]))
         facts["best val/loss"] = f"{s['val/loss'][1][best]:.4f} (step {s['val/loss'][0][best]})"
+    if "val/exact_match" in s:
+        steps, values = s["val/exact_match"]
+        best = int(np.nanargmax(values))
+        facts["best val/exact_match"] = f"{values[best]:.1%} (step {steps[best]})"
     if "perf/tokens_per_sec" in s:
         facts["peak throughput"] = f"{np.nanmax(s['perf/tokens_per_sec'][1]):,.0f} tokens/s"
-    facts["alerts"] = str(len(alerts))
+    facts["alerts"] = str(len(run.alerts))
     return facts

@@ -1,7 +1,8 @@
 """Read what W&B wrote offline: the ``run-<id>.wandb`` file of ``wandb/offline-run-*/``.
 
-wandb >= 0.30 writes these files from its Go core and ships no Python reader, so this is a small one
-for tests and reports. The format (``core/pkg/leveldb`` in the wandb repository) is LevelDB's log:
+wandb >= 0.30 writes these files from its Go core and ships no Python reader, so the W&B tests read
+back what the logger wrote with this small one. The format (``core/pkg/leveldb`` in the wandb
+repository) is LevelDB's log:
 
 * a 7-byte file header: ``b":W&B"``, magic ``0xBEE1`` (uint16 LE), version ``0`` (uint8);
 * then 32 KiB blocks (the first block includes the header) of chunks, each a 7-byte header (CRC-32
@@ -10,9 +11,8 @@ for tests and reports. The format (``core/pkg/leveldb`` in the wandb repository)
 * chunk types FULL=1, FIRST=2, MIDDLE=3, LAST=4 join into records, each a serialized
   ``wandb.proto.wandb_internal_pb2.Record``.
 
-    >>> run = read_run(find_run_files("runs/pretrain-tiny-wandb")[-1])  # doctest: +SKIP
-    >>> run.history[-1]["train/loss"], run.metrics["val/loss"]["summary"]  # doctest: +SKIP
-    (2.31, ['min', 'last'])
+    run = read_run(find_run_files(tmp_path / "wandb")[-1], timeout=30)
+    run.history[-1]["train/loss"], run.metrics["val/loss"]["summary"], run.alerts
 """
 
 from __future__ import annotations
