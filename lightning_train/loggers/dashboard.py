@@ -119,6 +119,9 @@ def dashboard(entity: str | None = None, project: str | None = None, run_dir: st
         run_dir: a run folder (``trainer.default_root_dir``); its logged metric names fill in the
             per-group panels, and the JSON spec is written there.
         name: the view's name.
+
+    Returns:
+        The spec as written to ``wandb_dashboard.json``; its ``url`` is None when no view was saved.
     """
     project = project or os.environ.get("WANDB_PROJECT", "lightning_logs")
     folder = Path(run_dir or ".")
@@ -129,7 +132,6 @@ def dashboard(entity: str | None = None, project: str | None = None, run_dir: st
     spec["url"] = _save_workspace(spec)
     path = folder / SPEC_FILE
     path.write_text(json.dumps(spec, indent=2) + "\n")
-    print(f"dashboard spec: {path}" + (f"\nW&B workspace: {spec['url']}" if spec["url"] else ""))
     return spec
 
 

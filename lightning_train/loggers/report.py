@@ -64,13 +64,14 @@ def report(run_dir: str, output_dir: str | None = None) -> dict[str, Any]:
         output_dir: where to write (default ``<run_dir>/report``).
 
     Returns:
-        What ``report.json`` holds: the files, the points per plotted series, and the notes.
+        What ``report.json`` holds: the output folder, the files, the points per plotted series, and
+        the notes.
     """
     series, resumed_at, alerts = load_run(run_dir)
     out = Path(output_dir) if output_dir else Path(run_dir) / "report"
     out.mkdir(parents=True, exist_ok=True)
-    result: dict[str, Any] = {"run_dir": str(run_dir), "plots": {}, "notes": [], "alerts": len(alerts),
-                              "resumed_at": resumed_at}
+    result: dict[str, Any] = {"run_dir": str(run_dir), "output_dir": str(out), "plots": {}, "notes": [],
+                              "alerts": len(alerts), "resumed_at": resumed_at}
     for name, title, plot in PLOTS:
         figure = Figure(figsize=(9, 4.8), layout="constrained")
         drawn = plot(figure, series, resumed_at, alerts)
@@ -82,7 +83,6 @@ def report(run_dir: str, output_dir: str | None = None) -> dict[str, Any]:
         result["plots"][name] = {"file": f"{name}.png", "title": title, "series": drawn}
     (out / "report.json").write_text(json.dumps(result, indent=2) + "\n")
     (out / "report.html").write_text(_html(result, series, alerts, out))
-    print(f"report: {out / 'report.html'} ({len(result['plots'])} plots)")
     return result
 
 

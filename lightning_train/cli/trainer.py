@@ -1,8 +1,4 @@
-"""``python -m lightning_train SUBCOMMAND``: LightningCLI's fit/validate/test/predict, plus tools.
-
-    python -m lightning_train fit --config configs/pretrain-tiny.yaml
-    python -m lightning_train fit --config configs/pretrain-tiny.yaml --print_config
-    python -m lightning_train prepare --inputs '[corpus/]' --output_dir data/corpus
+"""``LightningTrainCLI``: LightningCLI's fit/validate/test/predict with this package's run layout.
 
 Run layout: everything of a run lives under ``trainer.default_root_dir`` (``runs/<name>``):
 ``checkpoints/`` (shared by every restart of the run, so a restart finds them) and one
@@ -12,13 +8,9 @@ so saving the config never collides).
 
 from __future__ import annotations
 
-import atexit
-import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from jsonargparse import CLI, ArgumentParser
 from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint, ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
@@ -26,32 +18,13 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.plugins import CheckpointIO, Precision
 from lightning.pytorch.plugins.environments import ClusterEnvironment, SLURMEnvironment
 
-from lightning_train.callbacks import PreemptionCheckpoint, RNGStateKeeper, TokenProgressBar, TrainingAborted
+from lightning_train.callbacks import PreemptionCheckpoint, RNGStateKeeper, TokenProgressBar
+from lightning_train.cli._parsers import PROG, TOOLS, LightningParser
 from lightning_train.errors import UserInputError
 from lightning_train.plugins import AtomicCheckpointIO
 from lightning_train.plugins.precision import amp_for_precision_flag
 from lightning_train.resume import checkpoint_mismatch_error, resolve_resume
 from lightning_train.strategies import DataParallelStrategy  # noqa: F401  (registers lt_ddp/lt_fsdp/lt_auto)
-from lightning_train.strategies.data_parallel import leave_process_group
-
-
-class _OneLineErrors:
-    """Parser mixin: a bad argument or config value ends with one ``error: ...`` line (plus a tip)
-    and exit code 2, instead of the full usage text."""
-
-    def error(self, message: str, ex: Exception | None = None) -> None:
-        message = " ".join(line.strip(" -") for line in message.splitlines() if line.strip())
-        prog = self.prog.replace(" [options]", "")
-        sys.stderr.write(f"error: {message}\ntip: run `{prog} --help` for the accepted options\n")
-        sys.exit(2)
-
-
-class _LightningParser(_OneLineErrors, LightningArgumentParser):
-    pass
-
-
-class _ToolParser(_OneLineErrors, ArgumentParser):
-    pass
 
 
 class LightningTrainCLI(LightningCLI):
@@ -60,13 +33,12 @@ class LightningTrainCLI(LightningCLI):
 
     def __init__(self, args: list[str] | None = None, **kwargs: Any) -> None:
         kwargs.setdefault("seed_everything_default", 1234)
-        kwargs.setdefault("parser_class", _LightningParser)
-        tools = ", ".join(_tools())
+        kwargs.setdefault("parser_class", LightningParser)
         description = (
-            f"Train language models with Lightning: fit, validate, test, predict. Tools: {tools} "
-            "(`python -m lightning_train TOOL --help`)."
+            f"Train language models with Lightning: fit, validate, test, predict. Tools: {', '.join(TOOLS)} "
+            f"(`{PROG} TOOL --help`)."
         )
-        kwargs.setdefault("parser_kwargs", {"prog": "python -m lightning_train", "description": description})
+        kwargs.setdefault("parser_kwargs", {"prog": PROG, "description": description})
         super().__init__(
             LightningModule, LightningDataModule, subclass_mode_model=True, subclass_mode_data=True,
             args=args, **kwargs,
@@ -147,39 +119,3 @@ def _as_list(value: Callback | list[Callback] | None) -> list[Callback]:
     if value is None:
         return []
     return list(value) if isinstance(value, list) else [value]
-
-
-def _tools() -> dict[str, Callable[..., Any]]:
-    """Subcommands that are plain functions rather than Trainer methods."""
-    from lightning_train.data import prepare
-    from lightning_train.loggers.dashboard import dashboard
-    from lightning_train.loggers.report import report
-    from lightning_train.modules.finetune import generate
-    from lightning_train.strategies import consolidate
-
-    return {
-        "prepare": prepare, "report": report, "dashboard": dashboard, "consolidate": consolidate,
-        "generate": generate,
-    }
-
-
-_POSITIONAL_TOOLS = {"report"}  # `report RUN_DIR`; the others take --name value
-
-
-def main(argv: list[str] | None = None) -> None:
-    atexit.register(leave_process_group)  # whatever the strategy: see leave_process_group
-    args = sys.argv[1:] if argv is None else argv
-    try:
-        tools = _tools()
-        if args and args[0] in tools:
-            positional = args[0] in _POSITIONAL_TOOLS
-            CLI(tools[args[0]], args=args[1:], as_positional=positional, parser_class=_ToolParser,
-                prog=f"python -m lightning_train {args[0]}")
-        else:
-            LightningTrainCLI(args=argv)  # None: LightningCLI reads sys.argv itself
-    except UserInputError as error:
-        print(f"error: {error}", file=sys.stderr)
-        sys.exit(2)
-    except TrainingAborted as error:  # NaNRecovery gave up: the message names checkpoint and forensics
-        print(f"error: {error}", file=sys.stderr)
-        sys.exit(3)

@@ -1,0 +1,40 @@
+"""``python -m lightning_train SUBCOMMAND``: LightningCLI's fit/validate/test/predict, plus tools.
+
+    python -m lightning_train fit --config configs/pretrain-tiny.yaml
+    python -m lightning_train fit --config configs/pretrain-tiny.yaml --print_config
+    python -m lightning_train prepare --inputs '[corpus/]' --output_dir data/corpus
+
+``trainer.py`` holds ``LightningTrainCLI`` (the Trainer subcommands and the run layout); each tool is
+one file here (``prepare.py``, ``generate.py``, ...) that parses its arguments, calls the library
+and prints. Library modules never import this package.
+"""
+
+from __future__ import annotations
+
+import atexit
+import importlib
+import sys
+
+from lightning_train.callbacks import TrainingAborted
+from lightning_train.cli._parsers import TOOLS
+from lightning_train.cli.trainer import LightningTrainCLI
+from lightning_train.errors import UserInputError
+from lightning_train.strategies.data_parallel import leave_process_group
+
+__all__ = ["LightningTrainCLI", "main"]
+
+
+def main(argv: list[str] | None = None) -> None:
+    atexit.register(leave_process_group)  # whatever the strategy: see leave_process_group
+    args = sys.argv[1:] if argv is None else argv
+    try:
+        if args and args[0] in TOOLS:
+            importlib.import_module(f"lightning_train.cli.{args[0]}").main(args[1:])
+        else:
+            LightningTrainCLI(args=argv)  # None: LightningCLI reads sys.argv itself
+    except UserInputError as error:
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(2)
+    except TrainingAborted as error:  # NaNRecovery gave up: the message names checkpoint and forensics
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(3)
