@@ -80,8 +80,7 @@ class RunSummary(Callback):
     # ---- how it ends ------------------------------------------------------------------------------
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         _lightning_logger().removeFilter(self._quiet_stop_message)
-        reason, headline = _why_it_ended(trainer)
-        self._finish(trainer, reason, headline, _newest_checkpoint(trainer))
+        self._finish(trainer, *_why_it_ended(trainer), _newest_checkpoint(trainer))
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, error: BaseException) -> None:
         _lightning_logger().removeFilter(self._quiet_stop_message)

@@ -1,13 +1,14 @@
 """``LightningTrainCLI``: LightningCLI's fit/validate/test/predict with this package's run layout.
 
-Run layout: everything of a run lives under ``trainer.default_root_dir`` (``runs/<name>``):
-``checkpoints/`` (shared by every restart of the run, so a restart finds them) and one
-``version_N/`` per launch with ``metrics.csv`` and the resolved ``config.yaml`` (one per launch,
-so saving the config never collides).
+Run layout (``run_folder.py``): one folder per run, ``runs/<run_name>``: ``checkpoints/`` (shared by
+every launch that resumes the run, so a restart finds them), one ``version_N/`` per training launch
+with ``metrics.csv``, ``summary.json`` and the resolved ``config.yaml``, and ``validate/version_N/``
+(``test/``, ``predict/``) for evaluations.
 """
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -18,8 +19,9 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.plugins import CheckpointIO, Precision
 from lightning.pytorch.plugins.environments import ClusterEnvironment, SLURMEnvironment
 
-from lightning_train.callbacks import PreemptionCheckpoint, RNGStateKeeper, TokenProgressBar
+from lightning_train.callbacks import PreemptionCheckpoint, RNGStateKeeper, RunSummary, TokenProgressBar
 from lightning_train.cli._parsers import PROG, TOOLS, LightningParser
+from lightning_train.cli.run_folder import SaveConfigWhenRunning, check_fit, run_folder
 from lightning_train.errors import UserInputError
 from lightning_train.plugins import AtomicCheckpointIO
 from lightning_train.plugins.precision import amp_for_precision_flag
@@ -39,6 +41,8 @@ class LightningTrainCLI(LightningCLI):
             f"(`{PROG} TOOL --help`)."
         )
         kwargs.setdefault("parser_kwargs", {"prog": PROG, "description": description})
+        kwargs.setdefault("save_config_callback", SaveConfigWhenRunning)
+        self.command = ["python", "-m", "lightning_train", *(sys.argv[1:] if args is None else args)]
         super().__init__(
             LightningModule, LightningDataModule, subclass_mode_model=True, subclass_mode_data=True,
             args=args, **kwargs,
@@ -46,7 +50,8 @@ class LightningTrainCLI(LightningCLI):
 
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
         trainer_config = self._get(self.config_init, "trainer", default={})
-        return super().instantiate_trainer(**{**_run_defaults(trainer_config), **kwargs})
+        defaults = _run_defaults(trainer_config, self.subcommand, self.command)
+        return super().instantiate_trainer(**{**defaults, **kwargs})
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.add_argument(
@@ -54,15 +59,32 @@ class LightningTrainCLI(LightningCLI):
             help="fit: 'auto' (the newest valid checkpoint of the run, else start fresh), 'none', or "
             "the path of a checkpoint or of a folder of checkpoints. See docs/fault-tolerance.md.",
         )
+        parser.add_argument(
+            "--run_name", type=str | None, default=None,
+            help="the run's folder: runs/<run_name> (default: the config's trainer.default_root_dir, "
+            "else the config file's name). A new fit into a folder that holds a run is refused.",
+        )
+        parser.add_argument(
+            "--continue_past_target", type=bool, default=False,
+            help="fit: resume a run that TimeToQuality stopped at its target and train on to max_steps "
+            "(without it, such a run says it is finished and exits 0).",
+        )
+
+    def before_instantiate_classes(self) -> None:
+        config = self.config[self.subcommand]
+        config.trainer.default_root_dir = str(
+            run_folder(config.get("run_name"), config.trainer.default_root_dir, config.get("config") or [])
+        )
 
     def before_fit(self) -> None:
         config = self.config_init[self.subcommand]
-        if config.get("resume") is None:
-            return
-        if config.get("ckpt_path"):
-            raise UserInputError("pass either --resume or --ckpt_path, not both")
         folders = [c.dirpath for c in self.trainer.checkpoint_callbacks if isinstance(c, ModelCheckpoint)]
-        config["ckpt_path"] = resolve_resume(config["resume"], folders[0] if folders else "checkpoints")
+        checkpoint_dir = Path(folders[0]) if folders else Path(self.trainer.default_root_dir, "checkpoints")
+        if config.get("resume") is not None:
+            if config.get("ckpt_path"):
+                raise UserInputError("pass either --resume or --ckpt_path, not both")
+            config["ckpt_path"] = resolve_resume(config["resume"], checkpoint_dir)
+        check_fit(self.trainer, checkpoint_dir, config.get("ckpt_path"), config["continue_past_target"])
 
     def fit(self, model: LightningModule, **kwargs: Any) -> None:
         try:
@@ -74,22 +96,24 @@ class LightningTrainCLI(LightningCLI):
             raise mismatch from error
 
 
-def _run_defaults(trainer: dict[str, Any]) -> dict[str, Any]:
+def _run_defaults(trainer: dict[str, Any], subcommand: str | None, command: list[str]) -> dict[str, Any]:
     """Trainer arguments that complete what the config left out; a config that sets one wins.
 
-    - CSV metrics in ``<root>/version_N/``; checkpoints (``last.ckpt`` at least) in ``<root>/checkpoints``.
-    - A progress bar with tokens/s and ETA.
+    - CSV metrics in ``<root>/version_N/`` (``fit``) or ``<root>/<subcommand>/version_N/`` (``validate``,
+      ``test``, ``predict``); checkpoints (``last.ckpt`` at least) in ``<root>/checkpoints``.
+    - A progress bar with tokens/s and ETA; at the end of ``fit``, a summary (``RunSummary``).
     - ``16-mixed``: real loss scaling on every device (Lightning's would turn into bf16 on CPU) and the
       LR schedule held on skipped steps (``AmpPrecision``).
     - Exact resume and preemption: every rank's RNG states in checkpoints, checkpoint-and-exit (code 75)
-      on SIGTERM/SIGUSR1, atomic sha256-verified checkpoint files; on SLURM, Lightning's own
-      auto-requeue is off so that it does not act on the same signals.
+      on SIGTERM/SIGUSR1 (code 130 on Ctrl-C), atomic sha256-verified checkpoint files; on SLURM,
+      Lightning's own auto-requeue is off so that it does not act on the same signals.
     """
-    root = Path(trainer.get("default_root_dir") or "runs/default")
+    root = Path(trainer["default_root_dir"])  # set by before_instantiate_classes
     callbacks, plugins = _as_list(trainer.get("callbacks")), _as_list(trainer.get("plugins"))
     defaults: dict[str, Any] = {}
     if trainer.get("logger") in (None, True):
-        defaults["logger"] = CSVLogger(save_dir=str(root), name="")
+        name = "" if subcommand == "fit" else str(subcommand)  # evaluations never join the run's versions
+        defaults["logger"] = CSVLogger(save_dir=str(root), name=name)
 
     checkpoints = [c for c in callbacks if isinstance(c, ModelCheckpoint)]
     checkpoints = checkpoints or [ModelCheckpoint(save_last=True)]
@@ -101,6 +125,8 @@ def _run_defaults(trainer: dict[str, Any]) -> dict[str, Any]:
         extra_callbacks.append(TokenProgressBar(refresh_rate=10))  # each refresh reads metrics to host
     extra_callbacks += [kind() for kind in (RNGStateKeeper, PreemptionCheckpoint)
                         if not any(isinstance(c, kind) for c in callbacks)]
+    if subcommand == "fit" and not any(isinstance(c, RunSummary) for c in callbacks):
+        extra_callbacks.append(RunSummary(command=command))
     defaults["callbacks"] = callbacks + extra_callbacks
 
     amp = amp_for_precision_flag(trainer.get("precision"), trainer.get("accelerator"))
