@@ -115,6 +115,17 @@ def _step_of(checkpoint: Path) -> int | None:
     return manifest.get("global_step") if manifest else None
 
 
+def remove_empty_launch(trainer: Trainer) -> None:
+    """After a launch failed: remove its log folder, and the run folder, if they stayed empty."""
+    if trainer.log_dir is None:
+        return
+    for folder in (Path(trainer.log_dir), Path(trainer.default_root_dir)):
+        try:
+            folder.rmdir()  # only ever removes an empty folder
+        except OSError:
+            return
+
+
 class SaveConfigWhenRunning(SaveConfigCallback):
     """Lightning's ``SaveConfigCallback``, saving ``config.yaml`` once the launch has set up and starts
     training (or evaluating) rather than at ``setup``: a launch that fails on its data, its checkpoint

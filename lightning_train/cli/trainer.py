@@ -21,7 +21,7 @@ from lightning.pytorch.plugins.environments import ClusterEnvironment, SLURMEnvi
 
 from lightning_train.callbacks import PreemptionCheckpoint, RNGStateKeeper, RunSummary, TokenProgressBar
 from lightning_train.cli._parsers import PROG, TOOLS, LightningParser
-from lightning_train.cli.run_folder import SaveConfigWhenRunning, check_fit, run_folder
+from lightning_train.cli.run_folder import SaveConfigWhenRunning, check_fit, remove_empty_launch, run_folder
 from lightning_train.errors import UserInputError
 from lightning_train.plugins import AtomicCheckpointIO
 from lightning_train.plugins.precision import amp_for_precision_flag
@@ -94,6 +94,8 @@ class LightningTrainCLI(LightningCLI):
             if mismatch is None:
                 raise
             raise mismatch from error
+        finally:
+            remove_empty_launch(self.trainer)  # a launch that failed before it ran leaves no empty folders
 
 
 def _run_defaults(trainer: dict[str, Any], subcommand: str | None, command: list[str]) -> dict[str, Any]:
