@@ -17,8 +17,9 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e '.[dev]'
 	touch $@
 
+# --resume auto: the first time it starts the run, later it continues it or says it is finished (exit 0).
 train: venv
-	$(PY) -m lightning_train fit --config configs/pretrain-tiny.yaml
+	$(PY) -m lightning_train fit --config configs/pretrain-tiny.yaml --resume auto
 
 test: venv
 	$(TEST_ENV) $(PY) -m pytest -n 2 --durations=15 -q

@@ -7,9 +7,13 @@ checkpoints every 3, validation every 4)."""
 from __future__ import annotations
 
 import json
+import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from lightning_train.callbacks.preemption import PREEMPTED_EXIT_CODE
 from tests import test_fault_tolerance
@@ -139,3 +143,24 @@ def test_a_new_fit_never_mixes_into_a_folder_that_holds_a_run(tmp_path: Path, da
     assert bad.stdout.splitlines()[-1] == (
         "error: --run_name '../elsewhere': use a plain folder name (letters, digits, '.', '_', '-')")
     assert not any(p.name.startswith("last-v") for p in tmp_path.rglob("*.ckpt"))
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
+def test_make_train_works_the_first_and_the_second_time(tmp_path: Path) -> None:
+    recipe = subprocess.run(["make", "-n", "-s", "train"], cwd=REPO, capture_output=True, text=True,
+                            check=True)
+    command = shlex.split(recipe.stdout.strip().splitlines()[-1])
+    assert command[1:] == ["-m", "lightning_train", "fit", "--config", "configs/pretrain-tiny.yaml",
+                           "--resume", "auto"]
+    # the same command, run here with the model and the run shrunk (the config's path made absolute)
+    small = ["--model.init_args.config.n_layer=1", "--model.init_args.config.n_embd=32",
+             "--model.init_args.config.n_head=2", "--trainer.max_steps=10", "--trainer.val_check_interval=5",
+             "--trainer.limit_val_batches=2", "--trainer.enable_progress_bar=false"]
+    args = [sys.executable, *command[1:5], str(REPO / command[5]), *command[6:], *small]
+    results = [subprocess.run(args, cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=240)
+               for _ in range(2)]
+    assert [r.returncode for r in results] == [0, 0], results[-1].stderr[-3000:]
+    assert "Run finished: max_steps=10 reached" in results[0].stdout.splitlines()
+    assert results[1].stdout.splitlines()[-1] == (
+        "runs/pretrain-tiny is finished: its checkpoint last.ckpt is at step 10, max_steps=10; nothing to "
+        "train (a higher --trainer.max_steps trains on)")

@@ -21,7 +21,6 @@ from typing import Any
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.cli import SaveConfigCallback
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_train.callbacks import TimeToQuality
 from lightning_train.callbacks.run_summary import SUMMARY_FILE
@@ -68,7 +67,8 @@ def check_fit(
     if own:
         finished = _finished(trainer, folder, Path(ckpt_path), continue_past_target)
         if finished is not None:
-            rank_zero_info(finished)
+            if trainer.is_global_zero:
+                print(finished, flush=True)
             raise SystemExit(0)
 
 
