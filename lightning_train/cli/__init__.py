@@ -32,9 +32,24 @@ def main(argv: list[str] | None = None) -> None:
             importlib.import_module(f"lightning_train.cli.{args[0]}").main(args[1:])
         else:
             LightningTrainCLI(args=argv)  # None: LightningCLI reads sys.argv itself
-    except UserInputError as error:
-        print(f"error: {error}", file=sys.stderr)
-        sys.exit(2)
-    except TrainingAborted as error:  # NaNRecovery gave up: the message names checkpoint and forensics
-        print(f"error: {error}", file=sys.stderr)
-        sys.exit(3)
+    except Exception as error:
+        cause = _reported_cause(error)
+        if cause is None:
+            raise
+        print(f"error: {cause}", file=sys.stderr)
+        sys.exit(3 if isinstance(cause, TrainingAborted) else 2)
+
+
+def _reported_cause(error: BaseException) -> UserInputError | TrainingAborted | None:
+    """The bad input (or NaNRecovery's abort) behind ``error``: the error itself, or one it happened
+    during. Lightning's teardown after a failure can raise errors of its own (e.g. "Please call
+    `iter(combined_loader)` first." when the data position could not be restored), which must not
+    hide the reason the run stopped."""
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        if isinstance(current, (UserInputError, TrainingAborted)):
+            return current
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return None

@@ -3,15 +3,49 @@
 from __future__ import annotations
 
 import sys
+from argparse import Action, _SubParsersAction
 from collections.abc import Callable
 from typing import Any
 
-from jsonargparse import ActionConfigFile, ArgumentParser
+from jsonargparse import ActionConfigFile, ArgumentParser, DefaultHelpFormatter
 from lightning.pytorch.cli import LightningArgumentParser
 
 PROG = "python -m lightning_train"
-# Subcommands that are plain functions rather than Trainer methods: lightning_train/cli/<name>.py
-TOOLS = ("prepare", "report", "dashboard", "consolidate", "generate")
+# Subcommands that are plain functions rather than Trainer methods, each in lightning_train/cli/<name>.py,
+# with the line the help shows for it (each fits one 80-column line).
+TOOLS = {
+    "prepare": "Tokenize text files into token shards for training.",
+    "generate": "Print a model's completions of prompts.",
+    "consolidate": "Export a checkpoint to model.safetensors + config.json.",
+    "report": "Plot a run's metrics to PNGs and report.html.",
+    "dashboard": "Save a run's W&B dashboard and its JSON spec.",
+}
+
+
+class HelpFormatter(DefaultHelpFormatter):
+    """jsonargparse's, for text written as reStructuredText docstrings: ``x`` reads as `x`, and a
+    description or epilog keeps its own line breaks."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        return "\n".join(
+            line if line.startswith("  ") else super(HelpFormatter, self)._fill_text(line, width, indent)
+            for line in _plain(text).splitlines()
+        )
+
+    def _get_help_string(self, action: Action) -> str:
+        return _plain(super()._get_help_string(action))
+
+    def _format_action(self, action: Action) -> str:
+        if isinstance(action, _SubParsersAction):  # the subcommands one a line, without a header line
+            return "".join(self._format_action(choice) for choice in action._get_subactions())
+        return super()._format_action(action)
+
+    def start_section(self, heading: str | None) -> None:
+        super().start_section(_plain(heading).rstrip(";,.") if heading else heading)
+
+
+def _plain(text: str) -> str:
+    return text.replace("``", "`")
 
 
 class _OneLineErrors:
@@ -25,11 +59,21 @@ class _OneLineErrors:
         sys.exit(2)
 
 
-class LightningParser(_OneLineErrors, LightningArgumentParser):
+class _Defaults:
+    """Parser mixin: our help formatter, and the program named as users type it (jsonargparse makes
+    parsers of its own, e.g. for ``--model.help``, which would otherwise say ``__main__.py``)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("prog", PROG)
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+
+class LightningParser(_OneLineErrors, _Defaults, LightningArgumentParser):
     pass
 
 
-class ToolParser(_OneLineErrors, ArgumentParser):
+class ToolParser(_OneLineErrors, _Defaults, ArgumentParser):
     pass
 
 
@@ -38,9 +82,7 @@ def parse_tool_args(
 ) -> dict[str, Any]:
     """``function``'s keyword arguments from the command line of ``python -m lightning_train NAME``
     (its signature and docstring make the options; ``--config FILE`` may hold them)."""
-    from jsonargparse._optionals import get_doc_short_description
-
-    parser = ToolParser(prog=f"{PROG} {name}", description=get_doc_short_description(function))
+    parser = ToolParser(prog=f"{PROG} {name}", description=TOOLS[name])
     parser.add_argument("--config", action=ActionConfigFile, help="Path to a configuration file.")
     parser.add_function_arguments(function, as_positional=positional, as_group=False, sub_configs=True)
     config = parser.instantiate_classes(parser.parse_args(args))

@@ -9,24 +9,38 @@ with ``metrics.csv``, ``summary.json`` and the resolved ``config.yaml``, and ``v
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint, ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.plugins import CheckpointIO, Precision
 from lightning.pytorch.plugins.environments import ClusterEnvironment, SLURMEnvironment
+from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities.model_helpers import is_overridden
 
 from lightning_train.callbacks import PreemptionCheckpoint, RNGStateKeeper, RunSummary, TokenProgressBar
 from lightning_train.cli._parsers import PROG, TOOLS, LightningParser
+from lightning_train.cli.checks import check_trainer_arguments
 from lightning_train.cli.run_folder import SaveConfigWhenRunning, check_fit, remove_empty_launch, run_folder
 from lightning_train.errors import UserInputError
 from lightning_train.plugins import AtomicCheckpointIO
 from lightning_train.plugins.precision import amp_for_precision_flag
-from lightning_train.resume import checkpoint_mismatch_error, resolve_resume
+from lightning_train.resume import checkpoint_mismatch_error, find_resume_checkpoint, resolve_resume
 from lightning_train.strategies import DataParallelStrategy  # noqa: F401  (registers lt_ddp/lt_fsdp/lt_auto)
+
+# The top-level help's line for each Trainer subcommand (Lightning's are its docstrings' first lines,
+# cut mid-sentence); each fits one 80-column line.
+SUBCOMMANDS = {
+    "fit": "Train a model (--resume auto continues a run).",
+    "validate": "Evaluate a checkpoint on the validation split.",
+    "test": "Evaluate on the test split (needs test_step).",
+    "predict": "Run a model's predict_step (for text, use generate).",
+}
 
 
 class LightningTrainCLI(LightningCLI):
@@ -36,11 +50,7 @@ class LightningTrainCLI(LightningCLI):
     def __init__(self, args: list[str] | None = None, **kwargs: Any) -> None:
         kwargs.setdefault("seed_everything_default", 1234)
         kwargs.setdefault("parser_class", LightningParser)
-        description = (
-            f"Train language models with Lightning: fit, validate, test, predict. Tools: {', '.join(TOOLS)} "
-            f"(`{PROG} TOOL --help`)."
-        )
-        kwargs.setdefault("parser_kwargs", {"prog": PROG, "description": description})
+        kwargs.setdefault("parser_kwargs", {"description": DESCRIPTION, "epilog": top_level_epilog()})
         kwargs.setdefault("save_config_callback", SaveConfigWhenRunning)
         self.command = ["python", "-m", "lightning_train", *(sys.argv[1:] if args is None else args)]
         super().__init__(
@@ -48,16 +58,37 @@ class LightningTrainCLI(LightningCLI):
             args=args, **kwargs,
         )
 
+    def _add_subcommands(self, parser: LightningArgumentParser, **kwargs: Any) -> None:
+        """Lightning's, with a whole line of help for each subcommand."""
+        self._subcommand_parsers: dict[str, LightningArgumentParser] = {}
+        subcommands = parser.add_subcommands(title="subcommands", description=None, metavar="SUBCOMMAND")
+        for name in self.subcommands():
+            options = {"prog": f"{PROG} {name}", "description": SUBCOMMANDS[name], **kwargs.get(name, {})}
+            subparser = self._prepare_subcommand_parser(self.trainer_class, name, **options)
+            self._subcommand_parsers[name] = subparser
+            subcommands.add_subcommand(name, subparser, help=SUBCOMMANDS[name])
+
+    def instantiate_classes(self) -> None:
+        try:
+            super().instantiate_classes()
+        except ValueError as error:  # a model or data argument its constructor refused
+            raise _user_error(error) from error
+
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
         trainer_config = self._get(self.config_init, "trainer", default={})
+        check_trainer_arguments(trainer_config)
         defaults = _run_defaults(trainer_config, self.subcommand, self.command)
-        return super().instantiate_trainer(**{**defaults, **kwargs})
+        try:
+            return super().instantiate_trainer(**{**defaults, **kwargs})
+        except (MisconfigurationException, ValueError) as error:  # Lightning's checks of its arguments
+            raise _user_error(error) from error
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.add_argument(
             "--resume", type=str | None, default=None,
-            help="fit: 'auto' (the newest valid checkpoint of the run, else start fresh), 'none', or "
-            "the path of a checkpoint or of a folder of checkpoints. See docs/fault-tolerance.md.",
+            help="'auto': the newest valid checkpoint of the run (fit starts fresh when there is none; "
+            "validate, test and predict refuse), 'none', or the path of a checkpoint or of a folder of "
+            "checkpoints. See docs/fault-tolerance.md.",
         )
         parser.add_argument(
             "--run_name", type=str | None, default=None,
@@ -77,18 +108,75 @@ class LightningTrainCLI(LightningCLI):
         )
 
     def before_fit(self) -> None:
+        self._resolve_resume()
         config = self.config_init[self.subcommand]
+        past_target = config["continue_past_target"]
+        check_fit(self.trainer, self._checkpoint_dir(), config.get("ckpt_path"), past_target)
+
+    def before_validate(self) -> None:
+        self._resolve_resume()
+
+    def before_test(self) -> None:
+        self._require("test_step", "test_dataloader", "use `validate` for the held-out loss")
+        self._resolve_resume()
+
+    def before_predict(self) -> None:
+        self._require("predict_step", "predict_dataloader", f"for text completions use `{PROG} generate`")
+        self._resolve_resume()
+
+    def _require(self, step: str, loader: str, instead: str) -> None:
+        """Lightning's defaults for these hooks fail on our modules mid-run: refuse up front."""
+        missing = [f"{type(self.model).__name__}.{step}"] if not is_overridden(step, self.model) else []
+        if self.datamodule is not None and not is_overridden(loader, self.datamodule, LightningDataModule):
+            missing.append(f"{type(self.datamodule).__name__}.{loader}")
+        if missing:
+            raise UserInputError(
+                f"`{self.subcommand}` needs {' and '.join(missing)}, which this config does not define; "
+                f"{instead}"
+            )
+
+    def _resolve_resume(self) -> None:
+        """``--resume`` becomes ``ckpt_path``: for fit as docs/fault-tolerance.md says; for the other
+        subcommands ``auto`` must find a checkpoint (evaluating untrained weights is never the intent)."""
+        config = self.config_init[self.subcommand]
+        resume = config.get("resume")
+        if resume is None:
+            return
+        if config.get("ckpt_path"):
+            raise UserInputError("pass either --resume or --ckpt_path, not both")
+        folder = self._checkpoint_dir()
+        if self.subcommand != "fit" and resume.lower() == "auto":
+            found = find_resume_checkpoint(folder)
+            if found is None:
+                raise UserInputError(
+                    f"{self.subcommand} --resume auto: no valid checkpoint in {folder}; train one first with "
+                    "`fit` (same config), or pass --ckpt_path PATH"
+                )
+            rank_zero_info(f"--resume auto: {self.subcommand} {found}")
+            config["ckpt_path"] = str(found)
+            return
+        config["ckpt_path"] = resolve_resume(resume, folder)
+
+    def _checkpoint_dir(self) -> Path:
+        """The run's checkpoint folder: that of the first ``ModelCheckpoint``."""
         folders = [c.dirpath for c in self.trainer.checkpoint_callbacks if isinstance(c, ModelCheckpoint)]
-        checkpoint_dir = Path(folders[0]) if folders else Path(self.trainer.default_root_dir, "checkpoints")
-        if config.get("resume") is not None:
-            if config.get("ckpt_path"):
-                raise UserInputError("pass either --resume or --ckpt_path, not both")
-            config["ckpt_path"] = resolve_resume(config["resume"], checkpoint_dir)
-        check_fit(self.trainer, checkpoint_dir, config.get("ckpt_path"), config["continue_past_target"])
+        return Path(folders[0]) if folders else Path(self.trainer.default_root_dir, "checkpoints")
 
     def fit(self, model: LightningModule, **kwargs: Any) -> None:
+        self._run(self.trainer.fit, model, **kwargs)
+
+    def validate(self, model: LightningModule, **kwargs: Any) -> None:
+        self._run(self.trainer.validate, model, **kwargs)
+
+    def test(self, model: LightningModule, **kwargs: Any) -> None:
+        self._run(self.trainer.test, model, **kwargs)
+
+    def predict(self, model: LightningModule, **kwargs: Any) -> None:
+        self._run(self.trainer.predict, model, **kwargs)
+
+    def _run(self, trainer_fn: Callable[..., Any], model: LightningModule, **kwargs: Any) -> None:
         try:
-            self.trainer.fit(model, **kwargs)
+            trainer_fn(model, **kwargs)
         except RuntimeError as error:  # a checkpoint of another model shape: one clear line, not a traceback
             mismatch = checkpoint_mismatch_error(error, kwargs.get("ckpt_path"))
             if mismatch is None:
@@ -96,6 +184,32 @@ class LightningTrainCLI(LightningCLI):
             raise mismatch from error
         finally:
             remove_empty_launch(self.trainer)  # a launch that failed before it ran leaves no empty folders
+
+
+DESCRIPTION = "Train language models with Lightning."
+
+
+def top_level_epilog() -> str:
+    tools = "\n".join(f"  {name:<22}{summary}" for name, summary in TOOLS.items())
+    return (
+        f"tools ({PROG} TOOL --help):\n{tools}\n\n"
+        "options of a subcommand, the model and the data:\n"
+        f"  {PROG} fit --help\n"
+        f"  {PROG} fit --model.help PretrainModule   (or FinetuneModule)\n"
+        f"  {PROG} fit --data.help TextDataModule    (or SFTDataModule)"
+    )
+
+
+def _user_error(error: BaseException) -> UserInputError:
+    """The ``UserInputError`` behind ``error`` (jsonargparse wraps what a constructor raised), or one
+    made of the innermost message."""
+    innermost = error
+    while True:
+        if isinstance(innermost, UserInputError):
+            return innermost
+        if innermost.__cause__ is None:
+            return UserInputError(" ".join(str(innermost).split()))
+        innermost = innermost.__cause__
 
 
 def _run_defaults(trainer: dict[str, Any], subcommand: str | None, command: list[str]) -> dict[str, Any]:
