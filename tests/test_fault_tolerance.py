@@ -264,7 +264,10 @@ def test_two_rank_ddp_kill_and_one_rank_preempted_resume_exactly(tmp_path: Path,
     config = write_config(interrupted, data_dir, devices=2, callbacks=(
         rank_seed, fault(["train:4"], interrupted), fault(["train:7"], interrupted, "SIGUSR1", rank=1),
     ))
-    run_until_done(config, [-signal.SIGKILL, PREEMPTED_EXIT_CODE, 0])
+    _, preempted, finished = run_until_done(config, [-signal.SIGKILL, PREEMPTED_EXIT_CODE, 0])
+    # rank zero alone tells the ending
+    assert preempted.stdout.count("Run preempted (signal on another rank) at step 8") == 1, preempted.stdout
+    assert finished.stdout.count("Run finished: max_steps=12 reached") == 1
 
     manifest_file = interrupted / "run" / "checkpoints" / "preempted.ckpt.manifest.json"
     manifest = yaml.safe_load(manifest_file.read_text())

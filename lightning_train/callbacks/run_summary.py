@@ -40,7 +40,8 @@ from lightning_train.plugins.checkpoint_io import CorruptCheckpointError, read_m
 
 SUMMARY_FILE = "summary.json"
 FINISHED_REASONS = ("target", "max_steps", "max_epochs")  # a rerun of these has nothing left to do
-_LIGHTNING_STOP_MESSAGE = "`Trainer.fit` stopped:"  # said better (on its own line) by the summary
+# Lightning's lines for the endings the summary says better (on a line of its own, not the bar's)
+_LIGHTNING_STOP_MESSAGES = ("`Trainer.fit` stopped: `max_steps=", "`Trainer.fit` stopped: `max_epochs=")
 
 
 class RunSummary(Callback):
@@ -231,7 +232,8 @@ def _lightning_logger() -> logging.Logger:
 
 
 class _DropLightningStopMessage(logging.Filter):
-    """Drops Lightning's "`Trainer.fit` stopped: ..." line, which lands on the progress bar's line."""
+    """Drops Lightning's "`Trainer.fit` stopped: `max_steps=...` reached." line, which lands on the
+    progress bar's line."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith(_LIGHTNING_STOP_MESSAGE)
+        return not str(record.msg).startswith(_LIGHTNING_STOP_MESSAGES)
