@@ -6,9 +6,9 @@
 
 What a person sees at the end of ``python -m lightning_train fit --config configs/pretrain-tiny.yaml``::
 
-    Run finished: val/loss 1.5480 reached the target 1.55 at step 500 after 61.2 s (TimeToQuality)
+    Run finished: val/loss 1.5480 reached the target (<= 1.55) at step 500 after 109.9 s (TimeToQuality)
       val/loss    best 1.5480 (step 500), last 1.5480 (step 500)
-      throughput  17,310 tokens/s
+      throughput  8,845 tokens/s
       checkpoint  runs/pretrain-tiny/checkpoints/last.ckpt (step 500)
       metrics     runs/pretrain-tiny/version_0/metrics.csv
       next        python -m lightning_train report runs/pretrain-tiny
