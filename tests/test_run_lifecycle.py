@@ -144,6 +144,12 @@ def test_a_new_fit_never_mixes_into_a_folder_that_holds_a_run(tmp_path: Path, da
         "error: --run_name '../elsewhere': use a plain folder name (letters, digits, '.', '_', '-')")
     assert not any(p.name.startswith("last-v") for p in tmp_path.rglob("*.ckpt"))
 
+    # a launch killed before its first checkpoint left metrics only: --resume auto starts afresh
+    shutil.rmtree(tmp_path / "other" / "checkpoints")
+    again = launch("fit", "--config", str(config), short, "--run_name", "other", "--resume", "auto")
+    assert again.returncode == 0 and "starting fresh" in again.stdout, again.stdout[-3000:]
+    assert (tmp_path / "other" / "version_1" / "metrics.csv").is_file()
+
 
 @pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
 def test_make_train_works_the_first_and_the_second_time(tmp_path: Path) -> None:

@@ -106,7 +106,7 @@ class RunSummary(Callback):
 
     @rank_zero_only
     def _report(self, trainer: L.Trainer, summary: dict[str, Any]) -> None:
-        folder = Path(trainer.log_dir or trainer.default_root_dir)
+        folder = log_dir_of(trainer)
         folder.mkdir(parents=True, exist_ok=True)
         (folder / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
         close_progress_bars()
@@ -151,6 +151,14 @@ class RunSummary(Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.best = tuple(state_dict["best"]) if state_dict["best"] else None
         self.last = tuple(state_dict["last"]) if state_dict["last"] else None
+
+
+def log_dir_of(trainer: L.Trainer) -> Path:
+    """This launch's log folder, as ``trainer.log_dir`` says but without its broadcast: safe on one
+    rank alone and after the process group is gone."""
+    logger = trainer.loggers[0] if trainer.loggers else None
+    folder = getattr(logger, "log_dir", None) or getattr(logger, "save_dir", None)
+    return Path(folder or trainer.default_root_dir)
 
 
 def _why_it_ended(trainer: L.Trainer) -> tuple[str, str]:

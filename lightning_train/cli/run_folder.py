@@ -23,7 +23,7 @@ from lightning.pytorch.cli import SaveConfigCallback
 from lightning.pytorch.trainer.states import TrainerFn
 
 from lightning_train.callbacks import TimeToQuality
-from lightning_train.callbacks.run_summary import SUMMARY_FILE
+from lightning_train.callbacks.run_summary import SUMMARY_FILE, log_dir_of
 from lightning_train.errors import UserInputError
 from lightning_train.plugins.checkpoint_io import CorruptCheckpointError, read_manifest
 
@@ -44,21 +44,22 @@ def run_folder(run_name: str | None, default_root_dir: str | None, config_files:
     return RUNS / (run_name or stem)
 
 
-def holds_a_run(folder: Path, checkpoint_dir: Path) -> bool:
-    """A training launch left metrics or checkpoints here."""
-    if checkpoint_dir.is_dir() and any(not p.name.startswith(".") for p in checkpoint_dir.iterdir()):
-        return True
-    return any(folder.glob("version_*/metrics.csv"))
-
-
 def check_fit(
-    trainer: Trainer, checkpoint_dir: Path, ckpt_path: str | None, continue_past_target: bool
+    trainer: Trainer, checkpoint_dir: Path, ckpt_path: str | None, resume_auto: bool,
+    continue_past_target: bool,
 ) -> None:
     """Before a ``fit``: refuse to mix runs in one folder; exit 0 (after saying so) when the run being
-    resumed has nothing left to do. ``ckpt_path`` is the resolved checkpoint, None for a fresh start."""
+    resumed has nothing left to do. ``ckpt_path`` is the resolved checkpoint, None for a fresh start.
+
+    ``--resume auto`` that found no checkpoint may start afresh in a folder that holds only metrics (a
+    launch killed before its first checkpoint), never over checkpoints."""
     folder = Path(trainer.default_root_dir)
     own = ckpt_path is not None and Path(ckpt_path).resolve().is_relative_to(checkpoint_dir.resolve())
-    if holds_a_run(folder, checkpoint_dir) and not own:
+    has_checkpoints = checkpoint_dir.is_dir() and any(
+        not entry.name.startswith(".") for entry in checkpoint_dir.iterdir()  # .partial: torn writes
+    )
+    has_metrics = any(folder.glob("version_*/metrics.csv"))
+    if not own and (has_checkpoints or (has_metrics and not resume_auto)):
         started = f" from {ckpt_path}" if ckpt_path else ""
         raise UserInputError(
             f"{folder} already holds a run; a new fit{started} would mix with it. Continue that run with "
@@ -117,9 +118,7 @@ def _step_of(checkpoint: Path) -> int | None:
 
 def remove_empty_launch(trainer: Trainer) -> None:
     """After a launch failed: remove its log folder, and the run folder, if they stayed empty."""
-    if trainer.log_dir is None:
-        return
-    for folder in (Path(trainer.log_dir), Path(trainer.default_root_dir)):
+    for folder in (log_dir_of(trainer), Path(trainer.default_root_dir)):
         try:
             folder.rmdir()  # only ever removes an empty folder
         except OSError:

@@ -110,8 +110,9 @@ class LightningTrainCLI(LightningCLI):
     def before_fit(self) -> None:
         self._resolve_resume()
         config = self.config_init[self.subcommand]
+        auto = (config.get("resume") or "").lower() == "auto"
         past_target = config["continue_past_target"]
-        check_fit(self.trainer, self._checkpoint_dir(), config.get("ckpt_path"), past_target)
+        check_fit(self.trainer, self._checkpoint_dir(), config.get("ckpt_path"), auto, past_target)
 
     def before_validate(self) -> None:
         self._resolve_resume()
