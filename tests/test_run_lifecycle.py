@@ -120,7 +120,8 @@ def test_a_new_fit_never_mixes_into_a_folder_that_holds_a_run(tmp_path: Path, da
     assert files(run) == before
 
     # another run: its own folder next to the first, the first untouched
-    other = launch("fit", "--config", str(config), short, "--run_name", "other")
+    other = launch("fit", "--config", str(config), short, "--run_name", "other",
+                   "--trainer.log_every_n_steps=1")
     assert other.returncode == 0, other.stdout[-3000:]
     assert (tmp_path / "other" / "checkpoints" / "last.ckpt").is_file()
     assert files(run) == before
@@ -147,8 +148,9 @@ def test_a_new_fit_never_mixes_into_a_folder_that_holds_a_run(tmp_path: Path, da
     # a launch killed before its first checkpoint left metrics only: --resume auto starts afresh
     shutil.rmtree(tmp_path / "other" / "checkpoints")
     again = launch("fit", "--config", str(config), short, "--run_name", "other", "--resume", "auto")
+    assert (tmp_path / "other" / "version_0" / "metrics.csv").is_file()
     assert again.returncode == 0 and "starting fresh" in again.stdout, again.stdout[-3000:]
-    assert (tmp_path / "other" / "version_1" / "metrics.csv").is_file()
+    assert "Run finished: max_steps=3 reached" in again.stdout.splitlines()
 
 
 @pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
