@@ -20,6 +20,7 @@ the job script's part (see docs/fault-tolerance.md).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -104,8 +105,9 @@ class PreemptionCheckpoint(Checkpoint):
             raise Preempted(None, INTERRUPTED_EXIT_CODE, signal_name="SIGINT")
         self._requested = self._requested or "SIGINT"
         if self._is_global_zero:  # os.write: print() is not safe inside a signal handler
-            os.write(sys.stdout.fileno(), b"\nCtrl-C: finishing this step, then saving a checkpoint "
-                                          b"(Ctrl-C again to stop at once)\n")
+            with contextlib.suppress(OSError, ValueError):  # no file descriptor (a notebook): stay silent
+                os.write(sys.stdout.fileno(), b"\nCtrl-C: finishing this step, then saving a checkpoint "
+                                              b"(Ctrl-C again to stop at once)\n")
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any,
                            batch: Any, batch_idx: int) -> None:
