@@ -17,8 +17,9 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e '.[dev]'
 	touch $@
 
+# --resume auto: the first time it starts the run, later it continues it or says it is finished (exit 0).
 train: venv
-	$(PY) -m lightning_train fit --config configs/pretrain-tiny.yaml
+	$(PY) -m lightning_train fit --config configs/pretrain-tiny.yaml --resume auto
 
 # tests/test_report.py opens report.html in headless Chromium: install it from the OS packages when it
 # is missing and this runs as root (a fresh CI machine); elsewhere that test skips and says why.

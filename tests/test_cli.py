@@ -40,7 +40,7 @@ def test_fit_writes_checkpoints_and_metrics_and_learns(tmp_path):
     losses = _val_losses(root / "version_0" / "metrics.csv")
     assert len(losses) == 2 and losses[-1] < losses[0]
 
-    # A second launch of the same run gets its own version folder: saving the config never collides.
+    # An evaluation of the run logs under validate/, never as a version of the training run.
     again = run_cli(
         "validate",
         "--config",
@@ -51,8 +51,8 @@ def test_fit_writes_checkpoints_and_metrics_and_learns(tmp_path):
         cwd=tmp_path,
     )
     assert again.returncode == 0, again.stderr[-3000:]
-    assert (root / "version_1" / "config.yaml").is_file()
-    assert (root / "version_0" / "config.yaml").is_file()
+    assert (root / "validate" / "version_0" / "config.yaml").is_file()
+    assert (root / "version_0" / "config.yaml").is_file() and not (root / "version_1").exists()
 
 
 def test_print_config_resolves_every_section(tmp_path):

@@ -21,7 +21,7 @@ import pytest
 import torch
 import yaml
 
-from lightning_train.callbacks.preemption import PREEMPTED_EXIT_CODE
+from lightning_train.callbacks.preemption import INTERRUPTED_EXIT_CODE, PREEMPTED_EXIT_CODE
 from lightning_train.data import prepare
 from tests.conftest import REPO, cli_env
 
@@ -84,9 +84,11 @@ def fit(config: Path, *args: str, timeout: float = 240) -> subprocess.CompletedP
     )
 
 
-def fault(points: list[str], folder: Path, signal_name: str = "SIGKILL", rank: int | None = None) -> dict:
+def fault(points: list[str], folder: Path, signal_name: str = "SIGKILL", rank: int | None = None,
+          repeat: int = 1) -> dict:
     return {"class_path": "tests.helpers.ft_callbacks.Fault", "init_args": {
-        "points": points, "marker_dir": str(folder / "markers"), "signal_name": signal_name, "rank": rank}}
+        "points": points, "marker_dir": str(folder / "markers"), "signal_name": signal_name, "rank": rank,
+        "repeat": repeat}}
 
 
 def final_state(folder: Path) -> dict[str, Any]:
@@ -158,6 +160,44 @@ def test_sigterm_checkpoints_exits_75_and_resumes_exactly(tmp_path: Path, refere
     assert batches(tmp_path) == reference["batches"]
 
 
+def test_ctrl_c_finishes_the_step_checkpoints_exits_130_and_resumes_exactly(
+        tmp_path: Path, reference: dict[str, Any], data_dir: Path) -> None:
+    config = write_config(tmp_path, data_dir, callbacks=(fault(["train:4"], tmp_path, "SIGINT"),))
+    interrupted, finished = run_until_done(config, [INTERRUPTED_EXIT_CODE, 0])
+
+    # what a person sees: at once what will happen, then the save, then the summary with the way back
+    lines = interrupted.stdout.splitlines()
+    assert "Ctrl-C: finishing this step, then saving a checkpoint (Ctrl-C again to stop at once)" in lines
+    checkpoint = tmp_path / "run" / "checkpoints" / "interrupted.ckpt"
+    assert f"Interrupted (SIGINT) after step 5: saving {checkpoint}" in lines
+    assert "Saved at step 5; exiting with code 130" in lines
+    assert "Run interrupted by Ctrl-C at step 5: checkpoint saved" in lines
+    assert f"  checkpoint  {checkpoint} (step 5)" in lines
+    assert any(line.strip().endswith(f"fit --config {config} --resume auto") for line in lines), lines[-12:]
+    assert "Detected KeyboardInterrupt" not in interrupted.stdout and "Traceback" not in interrupted.stdout
+
+    manifest = yaml.safe_load((checkpoint.parent / "interrupted.ckpt.manifest.json").read_text())
+    assert manifest["global_step"] == 5
+    assert f"resuming from {checkpoint}" in finished.stdout
+    assert_same(final_state(tmp_path), reference["state"])
+    assert batches(tmp_path) == reference["batches"]
+
+
+def test_a_second_ctrl_c_stops_at_once_with_130(tmp_path: Path, reference: dict[str, Any],
+                                                data_dir: Path) -> None:
+    config = write_config(tmp_path, data_dir, callbacks=(fault(["train:4"], tmp_path, "SIGINT", repeat=2),))
+    stopped, finished = run_until_done(config, [INTERRUPTED_EXIT_CODE, 0])
+
+    checkpoints = tmp_path / "run" / "checkpoints"
+    assert not (checkpoints / "interrupted.ckpt").exists()  # nothing saved: it stopped at once
+    assert ("Run stopped at once by a second Ctrl-C during step 5: nothing saved since the last checkpoint"
+            in stopped.stdout.splitlines())
+    assert f"  checkpoint  {checkpoints / 'last.ckpt'} (step 3)" in stopped.stdout.splitlines()
+    assert "Traceback" not in stopped.stdout
+    assert f"resuming from {checkpoints}/" in finished.stdout
+    assert_same(final_state(tmp_path), reference["state"])
+
+
 @pytest.mark.slow
 def test_sigkill_anywhere_then_resume_is_bitwise_exact(tmp_path: Path, reference: dict[str, Any],
                                                        data_dir: Path) -> None:
@@ -225,7 +265,10 @@ def test_two_rank_ddp_kill_and_one_rank_preempted_resume_exactly(tmp_path: Path,
     config = write_config(interrupted, data_dir, devices=2, callbacks=(
         rank_seed, fault(["train:4"], interrupted), fault(["train:7"], interrupted, "SIGUSR1", rank=1),
     ))
-    run_until_done(config, [-signal.SIGKILL, PREEMPTED_EXIT_CODE, 0])
+    _, preempted, finished = run_until_done(config, [-signal.SIGKILL, PREEMPTED_EXIT_CODE, 0])
+    # rank zero alone tells the ending
+    assert preempted.stdout.count("Run preempted (signal on another rank) at step 8") == 1, preempted.stdout
+    assert finished.stdout.count("Run finished: max_steps=12 reached") == 1
 
     manifest_file = interrupted / "run" / "checkpoints" / "preempted.ckpt.manifest.json"
     manifest = yaml.safe_load(manifest_file.read_text())

@@ -82,3 +82,19 @@ def test_max_mode_and_an_unknown_metric(tmp_path):
         fit(tmp_path, TimeToQuality(target=0.9, monitor="val/acc", mode="max"), max_steps=5)
     with pytest.raises(UserInputError, match="mode='lowest'"):
         TimeToQuality(target=1.0, mode="lowest")
+
+
+def test_continuing_past_the_target_keeps_the_first_result_and_never_stops(tmp_path):
+    first = TimeToQuality(target=100.0)  # reached at the first validation
+    trainer, _, _ = fit(tmp_path / "first", first, max_steps=20)
+    assert trainer.global_step == 5 and first.result["reached"] is True
+
+    going_on = TimeToQuality(target=100.0)
+    going_on.continue_past_target(first.result)
+    # as a resume from a checkpoint taken before the validation that reached the target restores it
+    going_on.load_state_dict({"seconds": 1.0, "best": None, "result": None})
+    trainer, logger, _ = fit(tmp_path / "past", going_on, max_steps=20)
+    assert trainer.global_step == 20  # the target no longer stops the run
+    assert going_on.result == first.result and going_on.state_dict()["result"] == first.result
+    assert not (tmp_path / "past" / "time_to_quality.json").exists()  # the first launch's record stands
+    assert logger.series("perf/time_to_target_step") == []

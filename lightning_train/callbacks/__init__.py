@@ -6,6 +6,7 @@ from lightning_train.callbacks.nan_recovery import NaNRecovery, TrainingAborted
 from lightning_train.callbacks.preemption import PreemptionCheckpoint
 from lightning_train.callbacks.progress import TokenProgressBar
 from lightning_train.callbacks.rng_state import RNGStateKeeper
+from lightning_train.callbacks.run_summary import RunSummary
 from lightning_train.callbacks.throughput import ThroughputMonitor
 from lightning_train.callbacks.time_to_quality import TimeToQuality
 
@@ -15,6 +16,7 @@ __all__ = [
     "NaNRecovery",
     "PreemptionCheckpoint",
     "RNGStateKeeper",
+    "RunSummary",
     "ThroughputMonitor",
     "TimeToQuality",
     "TokenProgressBar",

@@ -42,6 +42,10 @@ class TimeToQuality(Callback):
     construction). On resume the count continues from the value saved in the checkpoint, so the
     time between that checkpoint and the interruption, and the restart's set-up, are not counted.
 
+    Once reached, a run is finished: the CLI's ``fit --resume auto`` then says so and exits 0. To train
+    on past the target, ``--continue_past_target`` calls ``continue_past_target(result)``: the result of
+    the launch that reached it is kept (and its file left alone) and the run is not stopped again.
+
     Args:
         target: the value to reach.
         monitor: a metric logged during validation (``trainer.callback_metrics``).
@@ -56,11 +60,18 @@ class TimeToQuality(Callback):
         self._seconds_before = 0.0  # counted by the runs before a resume
         self._fit_start: float | None = None
         self._best: float | None = None
+        self._reached_earlier: dict[str, Any] | None = None  # set by continue_past_target
 
     def elapsed(self) -> float:
         """Seconds counted so far (see the class docstring)."""
         running = time.perf_counter() - self._fit_start if self._fit_start is not None else 0.0
         return self._seconds_before + running
+
+    def continue_past_target(self, result: dict[str, Any]) -> None:
+        """The target was reached in an earlier launch (``result``: what its ``time_to_quality.json``
+        holds): keep that result, and neither stop the run nor write the file again. It holds over the
+        checkpoint's state, which may predate the validation that reached the target."""
+        self._reached_earlier = self.result = result
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._fit_start = time.perf_counter()
@@ -108,7 +119,7 @@ class TimeToQuality(Callback):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._seconds_before, self._best = state_dict["seconds"], state_dict["best"]
-        self.result = state_dict["result"]
+        self.result = self._reached_earlier or state_dict["result"]
 
 
 @rank_zero_only

@@ -1,13 +1,14 @@
 """``LightningTrainCLI``: LightningCLI's fit/validate/test/predict with this package's run layout.
 
-Run layout: everything of a run lives under ``trainer.default_root_dir`` (``runs/<name>``):
-``checkpoints/`` (shared by every restart of the run, so a restart finds them) and one
-``version_N/`` per launch with ``metrics.csv`` and the resolved ``config.yaml`` (one per launch,
-so saving the config never collides).
+Run layout (``run_folder.py``): one folder per run, ``runs/<run_name>``: ``checkpoints/`` (shared by
+every launch that resumes the run, so a restart finds them), one ``version_N/`` per training launch
+with ``metrics.csv``, ``summary.json`` and the resolved ``config.yaml``, and ``validate/version_N/``
+(``test/``, ``predict/``) for evaluations.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,7 @@ from lightning.pytorch.plugins.environments import ClusterEnvironment, SLURMEnvi
 from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
-from lightning_train.callbacks import PreemptionCheckpoint, RNGStateKeeper, TokenProgressBar
+from lightning_train.callbacks import PreemptionCheckpoint, RNGStateKeeper, RunSummary, TokenProgressBar
 from lightning_train.checkpoint import (
     AtomicCheckpointIO,
     checkpoint_mismatch_error,
@@ -34,6 +35,7 @@ from lightning_train.checkpoint import (
 from lightning_train.checkpoint.format import safe_globals
 from lightning_train.cli._parsers import PROG, TOOLS, LightningParser
 from lightning_train.cli.checks import check_trainer_arguments
+from lightning_train.cli.run_folder import SaveConfigWhenRunning, check_fit, remove_empty_launch, run_folder
 from lightning_train.errors import UserInputError
 from lightning_train.plugins.precision import amp_for_precision_flag
 from lightning_train.strategies import DataParallelStrategy  # noqa: F401  (registers lt_ddp/lt_fsdp/lt_auto)
@@ -56,6 +58,8 @@ class LightningTrainCLI(LightningCLI):
         kwargs.setdefault("seed_everything_default", 1234)
         kwargs.setdefault("parser_class", LightningParser)
         kwargs.setdefault("parser_kwargs", {"description": DESCRIPTION, "epilog": top_level_epilog()})
+        kwargs.setdefault("save_config_callback", SaveConfigWhenRunning)
+        self.command = ["python", "-m", "lightning_train", *(sys.argv[1:] if args is None else args)]
         super().__init__(
             LightningModule, LightningDataModule, subclass_mode_model=True, subclass_mode_data=True,
             args=args, **kwargs,
@@ -90,8 +94,9 @@ class LightningTrainCLI(LightningCLI):
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
         trainer_config = self._get(self.config_init, "trainer", default={})
         check_trainer_arguments(trainer_config)
+        defaults = _run_defaults(trainer_config, self.subcommand, self.command)
         try:
-            return super().instantiate_trainer(**{**_run_defaults(trainer_config), **kwargs})
+            return super().instantiate_trainer(**{**defaults, **kwargs})
         except (MisconfigurationException, ValueError) as error:  # Lightning's checks of its arguments
             raise _user_error(error) from error
 
@@ -102,9 +107,29 @@ class LightningTrainCLI(LightningCLI):
             "validate, test and predict refuse), 'none', or the path of a checkpoint or of a folder of "
             "checkpoints. See docs/fault-tolerance.md.",
         )
+        parser.add_argument(
+            "--run_name", type=str | None, default=None,
+            help="the run's folder: runs/<run_name> (default: the config's trainer.default_root_dir, "
+            "else the config file's name). A new fit into a folder that holds a run is refused.",
+        )
+        parser.add_argument(
+            "--continue_past_target", type=bool, default=False,
+            help="fit: resume a run that TimeToQuality stopped at its target and train on to max_steps "
+            "(without it, such a run says it is finished and exits 0).",
+        )
+
+    def before_instantiate_classes(self) -> None:
+        config = self.config[self.subcommand]
+        config.trainer.default_root_dir = str(
+            run_folder(config.get("run_name"), config.trainer.default_root_dir, config.get("config") or [])
+        )
 
     def before_fit(self) -> None:
         self._resolve_resume()
+        config = self.config_init[self.subcommand]
+        auto = (config.get("resume") or "").lower() == "auto"
+        past_target = config["continue_past_target"]
+        check_fit(self.trainer, self._checkpoint_dir(), config.get("ckpt_path"), auto, past_target)
 
     def before_validate(self) -> None:
         self._resolve_resume()
@@ -137,8 +162,7 @@ class LightningTrainCLI(LightningCLI):
             return
         if config.get("ckpt_path"):
             raise UserInputError("pass either --resume or --ckpt_path, not both")
-        folders = [c.dirpath for c in self.trainer.checkpoint_callbacks if isinstance(c, ModelCheckpoint)]
-        folder = folders[0] if folders else "checkpoints"
+        folder = self._checkpoint_dir()
         if self.subcommand != "fit" and resume.lower() == "auto":
             found = find_resume_checkpoint(folder)
             if found is None:
@@ -150,6 +174,11 @@ class LightningTrainCLI(LightningCLI):
             config["ckpt_path"] = str(found)
             return
         config["ckpt_path"] = resolve_resume(resume, folder)
+
+    def _checkpoint_dir(self) -> Path:
+        """The run's checkpoint folder: that of the first ``ModelCheckpoint``."""
+        folders = [c.dirpath for c in self.trainer.checkpoint_callbacks if isinstance(c, ModelCheckpoint)]
+        return Path(folders[0]) if folders else Path(self.trainer.default_root_dir, "checkpoints")
 
     def fit(self, model: LightningModule, **kwargs: Any) -> None:
         self._run(self.trainer.fit, model, **kwargs)
@@ -163,8 +192,7 @@ class LightningTrainCLI(LightningCLI):
     def predict(self, model: LightningModule, **kwargs: Any) -> None:
         self._run(self.trainer.predict, model, **kwargs)
 
-    @staticmethod
-    def _run(trainer_fn: Callable[..., Any], model: LightningModule, **kwargs: Any) -> None:
+    def _run(self, trainer_fn: Callable[..., Any], model: LightningModule, **kwargs: Any) -> None:
         try:
             trainer_fn(model, **kwargs)
         except RuntimeError as error:  # a checkpoint of another model shape: one clear line, not a traceback
@@ -172,6 +200,8 @@ class LightningTrainCLI(LightningCLI):
             if mismatch is None:
                 raise
             raise mismatch from error
+        finally:
+            remove_empty_launch(self.trainer)  # a launch that failed before it ran leaves no empty folders
 
 
 DESCRIPTION = "Train language models with Lightning."
@@ -200,22 +230,24 @@ def _user_error(error: BaseException) -> UserInputError:
         innermost = innermost.__cause__
 
 
-def _run_defaults(trainer: dict[str, Any]) -> dict[str, Any]:
+def _run_defaults(trainer: dict[str, Any], subcommand: str | None, command: list[str]) -> dict[str, Any]:
     """Trainer arguments that complete what the config left out; a config that sets one wins.
 
-    - CSV metrics in ``<root>/version_N/``; checkpoints (``last.ckpt`` at least) in ``<root>/checkpoints``.
-    - A progress bar with tokens/s and ETA.
+    - CSV metrics in ``<root>/version_N/`` (``fit``) or ``<root>/<subcommand>/version_N/`` (``validate``,
+      ``test``, ``predict``); checkpoints (``last.ckpt`` at least) in ``<root>/checkpoints``.
+    - A progress bar with tokens/s and ETA; at the end of ``fit``, a summary (``RunSummary``).
     - ``16-mixed``: real loss scaling on every device (Lightning's would turn into bf16 on CPU) and the
       LR schedule held on skipped steps (``AmpPrecision``).
     - Exact resume and preemption: every rank's RNG states in checkpoints, checkpoint-and-exit (code 75)
-      on SIGTERM/SIGUSR1, atomic sha256-verified checkpoint files; on SLURM, Lightning's own
-      auto-requeue is off so that it does not act on the same signals.
+      on SIGTERM/SIGUSR1 (code 130 on Ctrl-C), atomic sha256-verified checkpoint files; on SLURM,
+      Lightning's own auto-requeue is off so that it does not act on the same signals.
     """
-    root = Path(trainer.get("default_root_dir") or "runs/default")
+    root = Path(trainer["default_root_dir"])  # set by before_instantiate_classes
     callbacks, plugins = _as_list(trainer.get("callbacks")), _as_list(trainer.get("plugins"))
     defaults: dict[str, Any] = {}
     if trainer.get("logger") in (None, True):
-        defaults["logger"] = CSVLogger(save_dir=str(root), name="")
+        name = "" if subcommand == "fit" else str(subcommand)  # evaluations never join the run's versions
+        defaults["logger"] = CSVLogger(save_dir=str(root), name=name)
 
     checkpoints = [c for c in callbacks if isinstance(c, ModelCheckpoint)]
     checkpoints = checkpoints or [ModelCheckpoint(save_last=True)]
@@ -227,6 +259,8 @@ def _run_defaults(trainer: dict[str, Any]) -> dict[str, Any]:
         extra_callbacks.append(TokenProgressBar(refresh_rate=10))  # each refresh reads metrics to host
     extra_callbacks += [kind() for kind in (RNGStateKeeper, PreemptionCheckpoint)
                         if not any(isinstance(c, kind) for c in callbacks)]
+    if subcommand == "fit" and not any(isinstance(c, RunSummary) for c in callbacks):
+        extra_callbacks.append(RunSummary(command=command))
     defaults["callbacks"] = callbacks + extra_callbacks
 
     amp = amp_for_precision_flag(trainer.get("precision"), trainer.get("accelerator"))

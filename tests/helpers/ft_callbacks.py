@@ -4,6 +4,7 @@
 starts (K steps done; right after a checkpoint when K is a checkpoint step), ``val:K`` in the middle
 of the validation that follows step K. Each point fires once across restarts (a marker file in
 ``marker_dir`` remembers it), so one YAML describes a whole crash-and-resume sequence.
+``repeat`` sends the signal that many times in a row (a second Ctrl-C).
 ``KillDuringWriteIO`` SIGKILLs the process half-way through writing the checkpoint of step K.
 ``BatchLog`` records a fingerprint of every training batch, to check the data position after resume.
 """
@@ -24,10 +25,10 @@ from lightning_train.checkpoint import AtomicCheckpointIO
 
 class Fault(L.Callback):
     def __init__(self, points: list[str], marker_dir: str, signal_name: str = "SIGKILL",
-                 rank: int | None = None, whole_group: bool = True) -> None:
+                 rank: int | None = None, whole_group: bool = True, repeat: int = 1) -> None:
         self.points, self.marker_dir = points, Path(marker_dir)
         self.signal = signal.Signals[signal_name]
-        self.rank, self.whole_group = rank, whole_group
+        self.rank, self.whole_group, self.repeat = rank, whole_group, repeat
 
     def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
         self._maybe_fire(trainer, f"train:{trainer.global_step}")
@@ -52,7 +53,8 @@ class Fault(L.Callback):
             if trainer.is_global_zero:
                 os.killpg(os.getpgrp(), signal.SIGKILL)  # the whole launch: every rank dies at once
             return
-        os.kill(os.getpid(), self.signal)
+        for _ in range(self.repeat):
+            os.kill(os.getpid(), self.signal)
 
 
 class KillDuringWriteIO(AtomicCheckpointIO):

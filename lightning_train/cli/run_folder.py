@@ -1,0 +1,147 @@
+"""One folder per run, never shared by two runs, and a finished run that is started again stays finished.
+
+    runs/<run_name>/
+      checkpoints/          every checkpoint of the run (each launch that resumes it adds to them)
+      version_N/            one per training launch: config.yaml, metrics.csv, summary.json, ...
+      validate/version_N/   `validate` (and `test`, `predict`) launches: never a version of the training
+
+The run name is ``--run_name`` (the folder ``<parent of trainer.default_root_dir>/<run_name>``), else the
+last part of the config's ``trainer.default_root_dir``, else the config file's name (``runs/<stem>``).
+A new ``fit`` into a folder that holds a run is refused unless it resumes that run; a ``fit`` that resumes
+a run that already finished (its target or ``max_steps`` reached) says so and exits 0 without training.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.cli import SaveConfigCallback
+from lightning.pytorch.trainer.states import TrainerFn
+
+from lightning_train.callbacks import TimeToQuality
+from lightning_train.callbacks.run_summary import SUMMARY_FILE, log_dir_of
+from lightning_train.checkpoint.format import CorruptCheckpointError, read_manifest
+from lightning_train.errors import UserInputError
+
+RUNS = Path("runs")
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+
+
+def run_folder(run_name: str | None, default_root_dir: str | None, config_files: list[Any]) -> Path:
+    """The run's folder from ``--run_name``, the config's ``default_root_dir`` and the config files."""
+    if run_name is not None and not _NAME.fullmatch(run_name):
+        raise UserInputError(
+            f"--run_name {run_name!r}: use a plain folder name (letters, digits, '.', '_', '-')"
+        )
+    if default_root_dir:
+        root = Path(default_root_dir)
+        return root.parent / run_name if run_name else root
+    stem = Path(str(config_files[-1])).stem if config_files else "default"
+    return RUNS / (run_name or stem)
+
+
+def check_fit(
+    trainer: Trainer, checkpoint_dir: Path, ckpt_path: str | None, resume_auto: bool,
+    continue_past_target: bool,
+) -> None:
+    """Before a ``fit``: refuse to mix runs in one folder; exit 0 (after saying so) when the run being
+    resumed has nothing left to do. ``ckpt_path`` is the resolved checkpoint, None for a fresh start.
+
+    ``--resume auto`` that found no checkpoint may start afresh in a folder that holds only metrics (a
+    launch killed before its first checkpoint), never over checkpoints."""
+    folder = Path(trainer.default_root_dir)
+    own = ckpt_path is not None and Path(ckpt_path).resolve().is_relative_to(checkpoint_dir.resolve())
+    has_checkpoints = checkpoint_dir.is_dir() and any(
+        not entry.name.startswith(".") for entry in checkpoint_dir.iterdir()  # .partial: torn writes
+    )
+    has_metrics = any(folder.glob("version_*/metrics.csv"))
+    if not own and (has_checkpoints or (has_metrics and not resume_auto)):
+        started = f" from {ckpt_path}" if ckpt_path else ""
+        raise UserInputError(
+            f"{folder} already holds a run; a new fit{started} would mix with it. Continue that run with "
+            "--resume auto, or start a new one in its own folder with --run_name NAME"
+        )
+    if own:
+        finished = _finished(trainer, folder, Path(ckpt_path), continue_past_target)
+        if finished is not None:
+            if trainer.is_global_zero:
+                print(finished, flush=True)
+            raise SystemExit(0)
+
+
+def _finished(trainer: Trainer, folder: Path, checkpoint: Path, continue_past_target: bool) -> str | None:
+    """What to say when resuming ``checkpoint`` would train no further, else None."""
+    step = _step_of(checkpoint)
+    if step is not None and 0 < trainer.max_steps <= step:
+        return (f"{folder} is finished: its checkpoint {checkpoint.name} is at step {step}, "
+                f"max_steps={trainer.max_steps}; nothing to train (a higher --trainer.max_steps trains on)")
+    summary = _latest_summary(folder)
+    if summary is None or not summary["finished"] or step is None or step > summary["step"]:
+        return None  # not finished, or the run went on after that launch
+    if summary["reason"] == "target" and continue_past_target:
+        for callback in trainer.callbacks:
+            if isinstance(callback, TimeToQuality):
+                callback.continue_past_target(summary["target"])
+        return None
+    if summary["reason"] == "max_steps" and trainer.max_steps > summary["step"]:
+        return None  # max_steps was raised
+    if summary["reason"] == "max_epochs" and (trainer.max_epochs or 0) > summary["epoch"]:
+        return None
+    how = "--continue_past_target" if summary["reason"] == "target" else "a higher limit"
+    why = summary["headline"].removeprefix("Run finished: ")
+    return f"{folder} is finished: {why}; nothing to train ({how} trains on)"
+
+
+def _latest_summary(folder: Path) -> dict[str, Any] | None:
+    """The ``summary.json`` of the newest training launch that wrote one."""
+    summaries = [(int(p.parent.name.split("_")[1]), p) for p in folder.glob(f"version_*/{SUMMARY_FILE}")
+                 if p.parent.name.split("_")[1].isdigit()]
+    if not summaries:
+        return None
+    try:
+        return json.loads(max(summaries)[1].read_text())
+    except (OSError, ValueError):
+        return None  # unreadable: treat the run as not finished, resuming is the safe side
+
+
+def _step_of(checkpoint: Path) -> int | None:
+    try:
+        manifest = read_manifest(checkpoint)
+    except CorruptCheckpointError:
+        return None
+    return manifest.get("global_step") if manifest else None
+
+
+def remove_empty_launch(trainer: Trainer) -> None:
+    """After a launch failed: remove its log folder, and the run folder, if they stayed empty."""
+    for folder in (log_dir_of(trainer), Path(trainer.default_root_dir)):
+        try:
+            folder.rmdir()  # only ever removes an empty folder
+        except OSError:
+            return
+
+
+class SaveConfigWhenRunning(SaveConfigCallback):
+    """Lightning's ``SaveConfigCallback``, saving ``config.yaml`` once the launch has set up and starts
+    training (or evaluating) rather than at ``setup``: a launch that fails on its data, its checkpoint
+    or its model leaves no ``version_N/`` folder that holds nothing but a config."""
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        pass
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        super().setup(trainer, pl_module, "fit")
+
+    def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if trainer.state.fn == TrainerFn.VALIDATING:
+            super().setup(trainer, pl_module, "validate")
+
+    def on_test_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        super().setup(trainer, pl_module, "test")
+
+    def on_predict_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        super().setup(trainer, pl_module, "predict")
