@@ -30,28 +30,14 @@ TINY_GPT = "GPTConfig(vocab_size=258, block_size=128, n_layer=4, n_head=4, n_emb
 @dataclass
 class Given:
     """What the docs around a snippet presume: CLI runs to make first, code to run before it, the
-    number of devices it needs; or a known defect that makes it fail today (``xfail``, matched against
-    its output): the test then fails as soon as the snippet runs, so that the mark is removed."""
+    number of devices it needs."""
 
     cli: list[list[str]] = field(default_factory=list)
     prelude: str = ""
     cuda_devices: int = 0
-    xfail: str = ""
-    xfail_output: str = ""
 
 
-VOCAB_DEFECT = Given(
-    xfail="GPTConfig() defaults to vocab_size=256, the default corpus holds token 256 (end of text): "
-          "issue 13 item 4, fixed where the model takes its vocabulary from the data (branch h7-modules)",
-    xfail_output=r"UserInputError: the data holds token id 256 but the model's vocab_size is 256",
-)
 GIVEN: dict[str, Given] = {
-    "README.md#1": VOCAB_DEFECT,
-    "docs/callbacks.md#1": VOCAB_DEFECT,
-    "docs/dashboards.md#1": Given(cli=[[
-        "fit", "--config", str(REPO / "configs" / "pretrain-tiny-wandb.yaml"), "--trainer.max_steps=4",
-        "--trainer.val_check_interval=2", "--trainer.limit_val_batches=1", "--trainer.log_every_n_steps=2",
-    ]]),
     "docs/precision.md#2": Given(prelude="docs/precision.md#1"),
     "docs/strategies.md#1": Given(cuda_devices=8),  # its first line is a 2-node x 8-GPU Trainer
     "docs/strategies.md#2": Given(
@@ -101,8 +87,4 @@ def test_snippet_runs(name: str, tmp_path: Path) -> None:
     result = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True,
                             text=True, timeout=300)
     output = f"{name}:\n{script.read_text()}\n{result.stdout}{result.stderr}"
-    if given.xfail:
-        assert result.returncode != 0, f"{name} runs now: remove its xfail from GIVEN ({given.xfail})"
-        assert re.search(given.xfail_output, result.stderr), f"failed for another reason: {output}"
-        pytest.xfail(given.xfail)
     assert result.returncode == 0, f"failed: {output}"
