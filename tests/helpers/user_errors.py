@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 import lightning as L
+from torch.utils.data import DataLoader
 
 from lightning_train import PretrainModule, TextDataModule
 from lightning_train.errors import UserInputError
@@ -22,12 +23,15 @@ MESSAGE = "injected bad value at {point}; pass a good one"
 _LOADER_OF_STAGE = {"fit": "train_dataloader", "validate": "val_dataloader", "test": "test_dataloader"}
 
 
-class _RaisingLoader:
+class _RaisingLoader(DataLoader):
+    """A DataLoader (so Lightning does not try iterating it while setting up) that raises when the
+    loop starts iterating it, as a data position that does not fit the run does."""
+
+    def __init__(self) -> None:
+        super().__init__(list(range(4)))
+
     def __iter__(self) -> Any:
         raise UserInputError(MESSAGE.format(point="loader"))
-
-    def __len__(self) -> int:
-        return 4
 
 
 class RaiseUserInputError(L.Callback):
@@ -43,7 +47,7 @@ class RaiseUserInputError(L.Callback):
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         self._maybe_raise("setup")
         if self.at == "loader":
-            setattr(trainer.datamodule, _LOADER_OF_STAGE[stage], _RaisingLoader)
+            setattr(trainer.datamodule, _LOADER_OF_STAGE[stage], _RaisingLoader)  # the class builds one
 
     def on_load_checkpoint(self, *args: Any) -> None:
         self._maybe_raise("load_checkpoint")
