@@ -186,6 +186,8 @@ BAD_VALUES = [
     (["dashboard", "--run_dir", "nowhere"], ["'nowhere'", "pass a run folder"]),
     (["dashboard", "--run_dir", "doc.txt"], ["'doc.txt'", "pass a run folder"]),
     (["report"], ["run_dir", "required"]),
+    ([], ["no subcommand given", "fit", "prepare", "--help"]),
+    (["bogus"], ["'bogus'", "validate", "dashboard"]),
     (
         ["consolidate", "--checkpoint", "model", "--output", "out", "--overwrite", "maybe"],
         ["maybe", "true"],
@@ -193,9 +195,11 @@ BAD_VALUES = [
 ]
 
 
-@pytest.mark.parametrize(
-    ("args", "expected"), BAD_VALUES, ids=[" ".join(a[:1] + a[-2:]) for a, _ in BAD_VALUES]
-)
+def _id(args: list[str]) -> str:
+    return " ".join(dict.fromkeys(args[:1] + args[-2:])) or "no-arguments"
+
+
+@pytest.mark.parametrize(("args", "expected"), BAD_VALUES, ids=[_id(args) for args, _ in BAD_VALUES])
 def test_bad_value_is_one_clear_error_line_and_nothing_written(tmp_path, args, expected):
     from lightning_train.models.gpt import GPT, GPTConfig
     from lightning_train.models.weights import save_safetensors
