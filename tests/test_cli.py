@@ -1,6 +1,7 @@
 """The CLI end to end, as a user runs it: real subprocesses, real files, exit codes and messages."""
 
 import csv
+import json
 from pathlib import Path
 
 import pytest
@@ -73,6 +74,15 @@ def test_prepare_then_fit_on_own_corpus(tmp_path):
         "prepare", "--inputs", f"[{corpus}]", "--output_dir", str(tmp_path / "shards"), cwd=tmp_path
     )
     assert result.returncode == 0, result.stderr
+    # it ends saying what it wrote, in the numbers of meta.json
+    meta = json.loads((tmp_path / "shards" / "meta.json").read_text())
+    assert len(meta["shards"]) == 1
+    val = sum(s["num_tokens"] for s in meta["shards"] if s["split"] == "val")
+    summary = result.stdout.splitlines()[-5:]
+    assert summary[0].startswith(f"wrote {tmp_path / 'shards'} ({meta['total_tokens']:,} tokens from 20 files")
+    assert summary[1].split()[:2] == ["train", f"{meta['total_tokens'] - val:,}"]
+    assert summary[2].split()[:2] == ["val", f"{val:,}"]
+    assert summary[-1].endswith(f"--data.init_args.data_dir {tmp_path / 'shards'}")
     fit = run_cli(
         "fit",
         "--config",

@@ -17,8 +17,8 @@ import sys
 
 from lightning_train._warnings import plain_package_warnings
 from lightning_train.callbacks import TrainingAborted
-from lightning_train.cli._parsers import TOOLS
-from lightning_train.cli.trainer import LightningTrainCLI
+from lightning_train.cli._parsers import PROG, TOOLS
+from lightning_train.cli.trainer import SUBCOMMANDS, LightningTrainCLI
 from lightning_train.errors import UserInputError
 from lightning_train.strategies.data_parallel import leave_process_group
 
@@ -30,7 +30,12 @@ def main(argv: list[str] | None = None) -> None:
     plain_package_warnings()
     args = sys.argv[1:] if argv is None else argv
     try:
-        if args and args[0] in TOOLS:
+        if not args or not (args[0].startswith("-") or args[0] in TOOLS or args[0] in SUBCOMMANDS):
+            given = f"unknown subcommand {args[0]!r}" if args else "no subcommand given"
+            raise UserInputError(
+                f"{given}; use one of {', '.join([*SUBCOMMANDS, *TOOLS])} (see `{PROG} --help`)"
+            )
+        if args[0] in TOOLS:
             importlib.import_module(f"lightning_train.cli.{args[0]}").main(args[1:])
         else:
             LightningTrainCLI(args=argv)  # None: LightningCLI reads sys.argv itself

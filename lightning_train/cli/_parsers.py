@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import sys
 from argparse import Action, _SubParsersAction
 from collections.abc import Callable
@@ -54,6 +55,7 @@ class _OneLineErrors:
 
     def error(self, message: str, ex: Exception | None = None) -> None:
         message = " ".join(line.strip(" -") for line in message.splitlines() if line.strip())
+        message = _short_type_error(message) or message
         prog = self.prog.replace(" [options]", "")
         sys.stderr.write(f"error: {message}\ntip: run `{prog} --help` for the accepted options\n")
         sys.exit(2)
@@ -67,6 +69,42 @@ class _Defaults:
         kwargs.setdefault("prog", PROG)
         kwargs.setdefault("formatter_class", HelpFormatter)
         super().__init__(*args, **kwargs)
+
+
+_UNION_ERROR = re.compile(
+    r'Parser key "(?P<key>[^"]+)":\s*Does not validate against any of the Union subtypes\s*'
+    r"Subtypes: \[(?P<types>.*?)\]\s*Errors:.*Given value: (?P<value>\S*)"
+)
+
+
+_TYPE_ERROR = re.compile(
+    r'^Parser key "(?P<key>[^"]+)": Expected a <class \'(?:[\w.]+\.)?(?P<type>\w+)\'>\. '
+    r"Got value: (?P<value>\S*)"
+)
+
+
+def _with_article(name: str) -> str:
+    return f"an {name}" if name[0] in "aeiou" else f"a {name}"
+
+
+def _short_type_error(message: str) -> str | None:
+    """jsonargparse's message for a value of the wrong type (many lines for an option of several
+    types) as one line: the option, the value and what it accepts."""
+    single = _TYPE_ERROR.search(message)
+    if single:
+        wanted = "true or false" if single["type"] == "bool" else _with_article(single["type"])
+        return f"--{single['key']}={single['value']} is not accepted; use {wanted}"
+    match = _UNION_ERROR.search(message)
+    if match is None:
+        return None
+    accepted = []
+    for literal, name in re.findall(r"Literal\[(.*?)\]|<class '(?:[\w.]+\.)?(\w+)'>", match["types"]):
+        if literal:
+            accepted += [item.strip("'\"") for item in literal.split(", ")]
+        else:
+            accepted.append("null" if name == "NoneType" else _with_article(name))
+    choices = ", ".join(dict.fromkeys(accepted))  # in order, without repeats
+    return f"--{match['key']}={match['value']} is not accepted; use one of {choices}"
 
 
 class LightningParser(_OneLineErrors, _Defaults, LightningArgumentParser):

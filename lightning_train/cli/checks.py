@@ -37,6 +37,12 @@ def check_trainer_arguments(trainer: dict[str, Any]) -> None:
             f"--trainer.val_check_interval={interval} must be a positive number of steps (an int, "
             "e.g. 200) or a fraction of the epoch in (0, 1]"
         )
+    devices = trainer.get("devices")
+    if str(devices).strip() == "0" or (isinstance(devices, int) and devices < -1):
+        raise UserInputError(
+            f"--trainer.devices={devices} must be a positive count, a list of device ids, -1 (every "
+            "device) or auto"
+        )
     strategy = trainer.get("strategy")
     if isinstance(strategy, str) and strategy != "auto" and strategy not in StrategyRegistry:
         ours = [name for name in StrategyRegistry.available_strategies() if name.startswith("lt_")]

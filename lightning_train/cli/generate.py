@@ -41,6 +41,12 @@ def generate(
     Returns:
         Each prompt followed by its completion, in the order of the prompts.
     """
+    if max_new_tokens < 1:
+        raise UserInputError(f"--max_new_tokens {max_new_tokens} must be at least 1, e.g. 64")
+    if temperature < 0:
+        raise UserInputError(f"--temperature {temperature} must be >= 0 (0 is greedy), e.g. 0.8")
+    if top_k is not None and top_k < 1:
+        raise UserInputError(f"--top_k {top_k} must be at least 1, or left out to sample from every token")
     torch.manual_seed(seed)
     pretrained = open_pretrained(checkpoint, allow_pickle=allow_pickle)
     spec = tokenizer or pretrained.tokenizer

@@ -125,22 +125,22 @@ class LightningTrainCLI(LightningCLI):
         )
 
     def before_fit(self) -> None:
-        self._resolve_resume()
+        self._resolve_checkpoint()
         config = self.config_init[self.subcommand]
         auto = (config.get("resume") or "").lower() == "auto"
         past_target = config["continue_past_target"]
         check_fit(self.trainer, self._checkpoint_dir(), config.get("ckpt_path"), auto, past_target)
 
     def before_validate(self) -> None:
-        self._resolve_resume()
+        self._resolve_checkpoint()
 
     def before_test(self) -> None:
         self._require("test_step", "test_dataloader", "use `validate` for the held-out loss")
-        self._resolve_resume()
+        self._resolve_checkpoint()
 
     def before_predict(self) -> None:
         self._require("predict_step", "predict_dataloader", f"for text completions use `{PROG} generate`")
-        self._resolve_resume()
+        self._resolve_checkpoint()
 
     def _require(self, step: str, loader: str, instead: str) -> None:
         """Lightning's defaults for these hooks fail on our modules mid-run: refuse up front."""
@@ -153,14 +153,16 @@ class LightningTrainCLI(LightningCLI):
                 f"{instead}"
             )
 
-    def _resolve_resume(self) -> None:
+    def _resolve_checkpoint(self) -> None:
         """``--resume`` becomes ``ckpt_path``: for fit as docs/fault-tolerance.md says; for the other
-        subcommands ``auto`` must find a checkpoint (evaluating untrained weights is never the intent)."""
+        subcommands ``auto`` must find a checkpoint (evaluating untrained weights is never the intent).
+        A ``--ckpt_path`` that does not exist is refused here, before the run writes anything."""
         config = self.config_init[self.subcommand]
-        resume = config.get("resume")
+        resume, ckpt_path = config.get("resume"), config.get("ckpt_path")
         if resume is None:
+            _check_checkpoint_path(ckpt_path)
             return
-        if config.get("ckpt_path"):
+        if ckpt_path:
             raise UserInputError("pass either --resume or --ckpt_path, not both")
         folder = self._checkpoint_dir()
         if self.subcommand != "fit" and resume.lower() == "auto":
@@ -216,6 +218,16 @@ def top_level_epilog() -> str:
         f"  {PROG} fit --model.help PretrainModule   (or FinetuneModule)\n"
         f"  {PROG} fit --data.help TextDataModule    (or SFTDataModule)"
     )
+
+
+def _check_checkpoint_path(ckpt_path: str | None) -> None:
+    if ckpt_path is None or ckpt_path in ("best", "last", "hpc") or ckpt_path.startswith("registry"):
+        return  # Lightning's names for checkpoints it finds itself
+    if "://" not in ckpt_path and not Path(ckpt_path).exists():
+        raise UserInputError(
+            f"--ckpt_path {ckpt_path}: no such file or folder; check the path, or pass --resume auto for "
+            "the run's newest checkpoint"
+        )
 
 
 def _user_error(error: BaseException) -> UserInputError:

@@ -73,6 +73,17 @@ class PretrainModule(L.LightningModule):
         float8: bool = False,
     ) -> None:
         super().__init__()
+        for name, value, bad, fix in (  # each bad value as one line naming it and the fix
+            ("learning_rate", learning_rate, learning_rate <= 0, "must be > 0, e.g. 1e-3"),
+            ("min_lr", min_lr, not 0 <= min_lr <= learning_rate, "must be in [0, learning_rate]"),
+            ("warmup_steps", warmup_steps, warmup_steps < 0, "must be >= 0 (0: no warmup)"),
+            ("decay_steps", decay_steps, decay_steps is not None and decay_steps < 1, "must be >= 1 or null"),
+            ("weight_decay", weight_decay, weight_decay < 0, "must be >= 0, e.g. 0.1"),
+            ("betas", betas, not all(0 <= b < 1 for b in betas), "must each be in [0, 1), e.g. [0.9, 0.95]"),
+            ("eps", eps, eps <= 0, "must be > 0, e.g. 1e-8"),
+        ):
+            if bad:
+                raise UserInputError(f"{name}={value} {fix}")
         self.save_hyperparameters()
         self.config = GPTConfig(**config) if isinstance(config, dict) else config or GPTConfig()
         self.model: nn.Module | None = None

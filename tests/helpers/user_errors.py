@@ -1,9 +1,11 @@
-"""``RaiseUserInputError``: a callback that raises a ``UserInputError`` at one chosen point of a run,
-so that tests can check that the CLI reports it as one ``error:`` line and exit code 2.
+"""Bad input injected at a chosen point of a run, to check that the CLI reports it as one ``error:``
+line and exit code 2 wherever it is raised.
 
-Points: ``setup`` (the Trainer's setup), ``load_checkpoint`` (restoring ``--ckpt_path``),
-``first_batch`` (before the first train/val/test/predict batch), ``batch_end`` (after it, as a
-health callback would), ``loader`` (while the first batch is being loaded, in the data loader).
+``RaiseUserInputError(at=POINT)`` raises a ``UserInputError`` at ``setup`` (the Trainer's setup),
+``load_checkpoint`` (restoring ``--ckpt_path``), ``first_batch`` (before the first batch of the
+subcommand's loop), ``batch_end`` (after it, as a health callback would) or ``loader`` (inside the
+data loader, when the loop starts iterating it: where Lightning's teardown used to raise an error
+of its own over it). ``EvaluableModule``/``EvaluableData`` add the test split that ``test`` needs.
 """
 
 from __future__ import annotations
@@ -11,22 +13,25 @@ from __future__ import annotations
 from typing import Any
 
 import lightning as L
+from torch.utils.data import DataLoader
 
+from lightning_train import PretrainModule, TextDataModule
 from lightning_train.errors import UserInputError
 
 POINTS = ("setup", "load_checkpoint", "first_batch", "batch_end", "loader")
-MESSAGE = "injected bad input at {point}; fix the injected value"
+MESSAGE = "injected bad value at {point}; pass a good one"
+_LOADER_OF_STAGE = {"fit": "train_dataloader", "validate": "val_dataloader", "test": "test_dataloader"}
 
 
-class _RaisingIterable:
-    def __init__(self, point: str) -> None:
-        self.point = point
+class _RaisingLoader(DataLoader):
+    """A DataLoader (so Lightning does not try iterating it while setting up) that raises when the
+    loop starts iterating it, as a data position that does not fit the run does."""
+
+    def __init__(self) -> None:
+        super().__init__(list(range(4)))
 
     def __iter__(self) -> Any:
-        raise UserInputError(MESSAGE.format(point=self.point))
-
-    def __len__(self) -> int:
-        return 4
+        raise UserInputError(MESSAGE.format(point="loader"))
 
 
 class RaiseUserInputError(L.Callback):
@@ -41,19 +46,33 @@ class RaiseUserInputError(L.Callback):
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         self._maybe_raise("setup")
-        if self.at == "loader":  # every loader of the run raises when the loop starts iterating it
-            datamodule = trainer.datamodule
-            for name in ("train_dataloader", "val_dataloader", "test_dataloader", "predict_dataloader"):
-                setattr(datamodule, name, lambda: _RaisingIterable("loader"))
+        if self.at == "loader":
+            setattr(trainer.datamodule, _LOADER_OF_STAGE[stage], _RaisingLoader)  # the class builds one
 
     def on_load_checkpoint(self, *args: Any) -> None:
         self._maybe_raise("load_checkpoint")
 
-    def _batch_start(self, *args: Any) -> None:
-        self._maybe_raise("first_batch")
+    def _batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        if not trainer.sanity_checking:
+            self._maybe_raise("first_batch")
 
-    def _batch_end(self, *args: Any) -> None:
-        self._maybe_raise("batch_end")
+    def _batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        if not trainer.sanity_checking:
+            self._maybe_raise("batch_end")
 
-    on_train_batch_start = on_validation_batch_start = on_test_batch_start = on_predict_batch_start = _batch_start
-    on_train_batch_end = on_validation_batch_end = on_test_batch_end = on_predict_batch_end = _batch_end
+    on_train_batch_start = on_validation_batch_start = on_test_batch_start = _batch_start
+    on_train_batch_end = on_validation_batch_end = on_test_batch_end = _batch_end
+
+
+class EvaluableModule(PretrainModule):
+    def test_step(self, batch: dict, batch_idx: int) -> None:
+        self.validation_step(batch, batch_idx)
+
+    def on_test_epoch_end(self) -> None:
+        self.log("test/loss", self.val_loss.compute())
+        self.val_loss.reset()
+
+
+class EvaluableData(TextDataModule):
+    def test_dataloader(self) -> Any:
+        return self.val_dataloader()
