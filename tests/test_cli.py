@@ -79,7 +79,8 @@ def test_prepare_then_fit_on_own_corpus(tmp_path):
     assert len(meta["shards"]) == 1
     val = sum(s["num_tokens"] for s in meta["shards"] if s["split"] == "val")
     summary = result.stdout.splitlines()[-5:]
-    assert summary[0].startswith(f"wrote {tmp_path / 'shards'} ({meta['total_tokens']:,} tokens from 20 files")
+    total = meta["total_tokens"]
+    assert summary[0].startswith(f"wrote {tmp_path / 'shards'} ({total:,} tokens from 20 files")
     assert summary[1].split()[:2] == ["train", f"{meta['total_tokens'] - val:,}"]
     assert summary[2].split()[:2] == ["val", f"{val:,}"]
     assert summary[-1].endswith(f"--data.init_args.data_dir {tmp_path / 'shards'}")
