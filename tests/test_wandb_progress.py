@@ -96,8 +96,8 @@ def test_one_bar_for_the_whole_run_before_and_after_a_resume(tmp_path):
             assert screen.count("eta=") <= 1 and "<" not in screen  # one ETA: tqdm's own is not shown
         last = screens[-1]
         assert "train/loss=" in last and "val/loss=" in last and "eta=0:00:00" in last and "v_num" not in last
-        # The bar ends its line: Lightning's stop message starts on a line of its own.
-        assert f"\n`Trainer.fit` stopped: `max_steps={end}` reached." in console
+        # The bar ends its line: the run summary starts on a line of its own.
+        assert f"\nRun finished: max_steps={end} reached" in console
     rate = float(re.search(r"([\d.]+)step/s", _bar_screens(resumed)[-1]).group(1))
     assert rate < 1000  # measured over this launch's 4 steps, not 8 steps over its few seconds
 
