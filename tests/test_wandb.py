@@ -13,8 +13,8 @@ import yaml
 from torch.utils.data import DataLoader
 
 from lightning_train import PretrainModule
-from lightning_train.alerts import send_alert
 from lightning_train.loggers import WandbLogger
+from lightning_train.loggers.alerts import send_alert
 from lightning_train.loggers.dashboard import NAMESPACES, STEP_METRIC
 from lightning_train.loggers.wandb import REDACTED, redact_secrets
 from tests.conftest import REPO, cli_env, run_cli
