@@ -1,22 +1,26 @@
-"""Shared fixtures: a tiny model config, and running the CLI as a real subprocess."""
+"""Shared fixtures: a tiny model config, a small prepared corpus, and running the CLI as a real subprocess."""
 
 from __future__ import annotations
 
+import json
 import os
+import random
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from lightning_train.data import prepare
 from lightning_train.models.gpt import GPTConfig
+from tests.helpers.tiny_runs import TINY
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
 def tiny_config() -> GPTConfig:
-    return GPTConfig(vocab_size=258, block_size=32, n_layer=2, n_head=2, n_embd=32)
+    return GPTConfig(**TINY)
 
 
 def cli_env(**extra: str) -> dict[str, str]:
@@ -50,3 +54,15 @@ def run_cli(
         text=True,
         timeout=timeout,
     )
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A small prepared corpus (one per test module), the data of ``tests.helpers.ft_runs``'s run.
+    About 65 windows of 16 tokens: 16 batches of 4 per epoch on one rank, 8 per rank on two."""
+    folder = tmp_path_factory.mktemp("data")
+    words, rng = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta"], random.Random(0)
+    lines = [json.dumps({"text": " ".join(rng.choice(words) for _ in range(4))}) for _ in range(60)]
+    (folder / "docs.jsonl").write_text("\n".join(lines) + "\n")
+    tokens = prepare([str(folder / "docs.jsonl")], str(folder / "tokens"), val_fraction=0.2, num_workers=0)
+    return tokens.output_dir

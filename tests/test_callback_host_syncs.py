@@ -15,13 +15,12 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
-from torch.utils.data import DataLoader
 
 import lightning_train.callbacks
 from lightning_train.callbacks import GradNormMonitor, LossScaleMonitor, ThroughputMonitor, TimeToQuality
 from lightning_train.models.gpt import GPTConfig
 from lightning_train.modules import PretrainModule
-from tests.test_grad_norm import TINY, FixedBatches
+from tests.helpers.tiny_runs import TINY, WithValidation
 
 CALLBACKS_DIR = str(Path(lightning_train.callbacks.__file__).parent)
 HOST_READS = ("item", "tolist", "numpy", "cpu", "__bool__", "__float__", "__int__", "__index__")
@@ -32,11 +31,6 @@ def all_callbacks() -> list[L.Callback]:
     return [
         GradNormMonitor(), ThroughputMonitor(peak_flops=1e12), TimeToQuality(target=0.0), LossScaleMonitor()
     ]
-
-
-class WithValidation(FixedBatches):
-    def val_dataloader(self) -> DataLoader:
-        return DataLoader(self.rows[:4], batch_size=4)
 
 
 @contextmanager

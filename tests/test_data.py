@@ -27,14 +27,9 @@ from lightning_train.data import (
 from lightning_train.data.sources import PIECE_BYTES
 from lightning_train.errors import UserInputError
 from tests.conftest import cli_env
+from tests.helpers.tiny_runs import Recorder, sentences
 
 EOS = "<|endoftext|>"
-
-
-def sentences(n: int, seed: int = 0) -> list[str]:
-    rng = np.random.default_rng(seed)
-    words = ["the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "naïve", "café", "✓", "def"]
-    return [" ".join(rng.choice(words, size=int(rng.integers(5, 40)))) + "\n" for _ in range(n)]
 
 
 def read_split(folder: Path, split: str) -> np.ndarray:
@@ -330,22 +325,6 @@ def test_loader_resumes_exactly(dataset: Path, num_workers: int):
     assert all(torch.equal(a, b) for a, b in zip([b["input_ids"] for b in resumed], expected, strict=True))
 
 
-class Recorder(L.LightningModule):
-    """Remembers the batches it trained on."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.embedding = torch.nn.Embedding(258, 1)
-        self.seen: list[torch.Tensor] = []
-
-    def training_step(self, batch, batch_idx):
-        self.seen.append(batch["input_ids"].clone())
-        return self.embedding(batch["input_ids"]).mean()
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1)
-
-
 def fit(
     dataset: Path, root: Path, max_steps: int, num_workers: int, ckpt_path: str | None = None, every: int = 0
 ):
@@ -381,7 +360,7 @@ def test_ddp_ranks_train_on_disjoint_windows(dataset: Path, tmp_path: Path):
     script.write_text(
         textwrap.dedent(f"""
         import torch, lightning as L
-        from tests.test_data import Recorder
+        from tests.helpers.tiny_runs import Recorder
         from lightning_train.data import TextDataModule
         model = Recorder()
         trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_epochs=1, limit_val_batches=0,

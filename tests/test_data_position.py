@@ -17,7 +17,7 @@ from lightning_train.data import SFTDataModule, TextDataModule, prepare
 from lightning_train.errors import UserInputError
 from tests.conftest import REPO, cli_env
 from tests.helpers.sample_log import row_digest
-from tests.test_data import sentences
+from tests.helpers.tiny_runs import sentences
 
 
 @pytest.fixture

@@ -16,8 +16,6 @@ import torch
 from lightning_train.callbacks.preemption import PreemptionCheckpoint
 from lightning_train.checkpoint import (
     AtomicCheckpointIO,
-    CorruptCheckpointError,
-    IncompatibleCheckpointError,
     find_resume_checkpoint,
     resolve_resume,
     verify_checkpoint,
@@ -27,7 +25,7 @@ from lightning_train.checkpoint.format import (
     manifest_path,
     read_manifest,
 )
-from lightning_train.errors import UserInputError
+from lightning_train.errors import CorruptCheckpointError, IncompatibleCheckpointError, UserInputError
 from lightning_train.models.gpt import GPTConfig
 
 

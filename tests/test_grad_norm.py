@@ -16,8 +16,6 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
-from lightning.pytorch.loggers import Logger
-from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_train.callbacks import GradNormMonitor
 from lightning_train.errors import UserInputError
@@ -25,43 +23,7 @@ from lightning_train.models.gpt import GPT, GPTConfig
 from lightning_train.modules import PretrainModule
 from tests.conftest import REPO, cli_env, run_cli
 from tests.helpers.nan_faults import PatternDataModule
-
-TINY = {"vocab_size": 258, "block_size": 32, "n_layer": 2, "n_head": 2, "n_embd": 32}
-
-
-class FixedBatches(L.LightningDataModule):
-    """Random token rows in a fixed order: with 2 ranks of ``batch_size`` b, rank r gets the rows r, r+2,
-    ..., so together they see one process's batch of 2b (Lightning's own sampler would shuffle)."""
-
-    def __init__(self, batch_size: int = 4, seq_len: int = 16, num_rows: int = 64) -> None:
-        super().__init__()
-        rows = torch.randint(0, 258, (num_rows, seq_len + 1), generator=torch.Generator().manual_seed(0))
-        self.rows = [{"input_ids": row[:-1], "labels": row[1:]} for row in rows]
-        self.batch_size = batch_size
-
-    def train_dataloader(self) -> DataLoader:
-        sharding = self.trainer.distributed_sampler_kwargs if self.trainer else None
-        sampler = DistributedSampler(self.rows, shuffle=False, **sharding) if sharding else None
-        return DataLoader(self.rows, batch_size=self.batch_size, sampler=sampler)
-
-
-class MemoryLogger(Logger):
-    """Keeps every ``log_metrics`` call: ``rows[i] = (step, metrics)``."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.rows: list[tuple[int, dict[str, float]]] = []
-
-    name, version = "memory", 0
-
-    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
-        self.rows.append((step, dict(metrics)))
-
-    def log_hyperparams(self, *args, **kwargs) -> None:
-        pass
-
-    def series(self, key: str) -> list[float]:
-        return [metrics[key] for _, metrics in self.rows if key in metrics]
+from tests.helpers.tiny_runs import TINY, FixedBatches, MemoryLogger
 
 
 class RecordTensors(L.Callback):
@@ -309,7 +271,8 @@ def _cli_run(tmp_path: Path, devices: int, batch_size: int, strategy: str = "aut
         },
         "model": {"class_path": "lightning_train.PretrainModule",
                   "init_args": {"config": TINY, "learning_rate": 1e-2, "warmup_steps": 1}},
-        "data": {"class_path": "tests.test_grad_norm.FixedBatches", "init_args": {"batch_size": batch_size}},
+        "data": {"class_path": "tests.helpers.tiny_runs.FixedBatches",
+                 "init_args": {"batch_size": batch_size}},
     }
     path = tmp_path / f"config-{strategy}-{devices}.json"
     path.write_text(json.dumps(config))

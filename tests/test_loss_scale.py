@@ -12,8 +12,8 @@ import torch
 from lightning.pytorch.loggers import CSVLogger
 
 from lightning_train import GPTConfig, PretrainModule, UserInputError
-from lightning_train.alerts import read_alerts
 from lightning_train.callbacks import LossScaleMonitor
+from lightning_train.loggers.alerts import read_alerts
 from lightning_train.plugins import AmpPrecision
 from tests.helpers.nan_faults import InjectFault, PatternDataModule
 

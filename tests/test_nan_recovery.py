@@ -16,8 +16,8 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.plugins.precision import MixedPrecision
 
 from lightning_train import GPTConfig, PretrainModule, TextDataModule, UserInputError
-from lightning_train.alerts import read_alerts
 from lightning_train.callbacks import GradNormMonitor, LossScaleMonitor, NaNRecovery, TrainingAborted
+from lightning_train.loggers.alerts import read_alerts
 from lightning_train.plugins import AmpPrecision
 from tests.helpers.nan_faults import InjectFault, PatternDataModule, PatternTokens
 

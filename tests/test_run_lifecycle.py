@@ -1,7 +1,7 @@
 """A run from its first launch to its end, as a person and a job script see it: the summary at the end,
 one folder per run that no other launch mixes into, and a finished run that stays finished.
 
-Real subprocesses of the CLI on the tiny deterministic run of test_fault_tolerance (12 steps,
+Real subprocesses of the CLI on the tiny deterministic run of tests/helpers/ft_runs.py (12 steps,
 checkpoints every 3, validation every 4)."""
 
 from __future__ import annotations
@@ -16,11 +16,9 @@ from pathlib import Path
 import pytest
 
 from lightning_train.callbacks.preemption import PREEMPTED_EXIT_CODE
-from tests import test_fault_tolerance
 from tests.conftest import REPO, cli_env
-from tests.test_fault_tolerance import fault, final_state, fit, write_config
+from tests.helpers.ft_runs import fault, final_state, fit, write_config
 
-data_dir = test_fault_tolerance.data_dir  # the same small prepared corpus (a module-scoped fixture)
 TARGET = {"class_path": "lightning_train.callbacks.TimeToQuality", "init_args": {"target": 100.0}}
 
 

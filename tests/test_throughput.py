@@ -8,14 +8,13 @@ import time
 import lightning as L
 import pytest
 import torch
-from torch.utils.data import DataLoader
 
 from lightning_train.callbacks import ThroughputMonitor
 from lightning_train.callbacks.throughput import ADDED_PEAK_FLOPS, device_peak_flops
 from lightning_train.errors import UserInputError
 from lightning_train.models.gpt import GPTConfig
 from lightning_train.modules import PretrainModule
-from tests.test_grad_norm import TINY, FixedBatches, MemoryLogger
+from tests.helpers.tiny_runs import TINY, FixedBatches, MemoryLogger, WithValidation
 
 
 def fit(tmp_path, monitor, module=None, data=None, **trainer_kwargs) -> tuple[L.Trainer, MemoryLogger]:
@@ -51,11 +50,6 @@ class SlowValidation(PretrainModule):
     def validation_step(self, batch, batch_idx):
         time.sleep(1.0)
         return super().validation_step(batch, batch_idx)
-
-
-class WithValidation(FixedBatches):
-    def val_dataloader(self) -> DataLoader:
-        return DataLoader(self.rows[:4], batch_size=4)
 
 
 def test_validation_time_is_not_counted_as_step_time(tmp_path):

@@ -14,7 +14,7 @@ from lightning_train.callbacks import TimeToQuality
 from lightning_train.errors import UserInputError
 from lightning_train.models.gpt import GPTConfig
 from lightning_train.modules import PretrainModule
-from tests.test_grad_norm import TINY, MemoryLogger
+from tests.helpers.tiny_runs import TINY, MemoryLogger
 
 
 class CountingRows(L.LightningDataModule):

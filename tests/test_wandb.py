@@ -7,33 +7,20 @@ from pathlib import Path
 
 import lightning as L
 import pytest
-import torch
 import wandb
 import yaml
-from torch.utils.data import DataLoader
 
 from lightning_train import PretrainModule
-from lightning_train.alerts import send_alert
 from lightning_train.loggers import WandbLogger
+from lightning_train.loggers.alerts import send_alert
 from lightning_train.loggers.dashboard import NAMESPACES, STEP_METRIC
 from lightning_train.loggers.wandb import REDACTED, redact_secrets
 from tests.conftest import REPO, cli_env, run_cli
+from tests.helpers.tiny_runs import WithValidation
 from tests.helpers.wandb_offline import find_run_files, read_run
 
 FAKE_API_KEY = "0123456789abcdef0123456789abcdef01234567"  # 40 characters, like a real W&B key
 FAKE_TOKEN = "hf_fakeTokenValue9876543210"
-
-
-class TokenBatches(L.LightningDataModule):
-    def __init__(self, seq_len: int = 16) -> None:
-        super().__init__()
-        tokens = torch.randint(0, 258, (64, seq_len + 1), generator=torch.Generator().manual_seed(0))
-        self.samples = [{"input_ids": row[:-1], "labels": row[1:]} for row in tokens]
-
-    def train_dataloader(self) -> DataLoader:
-        return DataLoader(self.samples, batch_size=4)
-
-    val_dataloader = train_dataloader
 
 
 class PerfAndAlert(L.Callback):
@@ -56,7 +43,7 @@ def test_offline_run_file_holds_dashboard_history_config_and_alerts(tmp_path, mo
         limit_val_batches=2, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, accelerator="cpu", default_root_dir=tmp_path,
     )
-    trainer.fit(PretrainModule(tiny_config, warmup_steps=2), TokenBatches())
+    trainer.fit(PretrainModule(tiny_config, warmup_steps=2), WithValidation(val_rows=64))
     wandb.finish()
 
     (run_file,) = find_run_files(tmp_path / "wandb")

@@ -14,7 +14,7 @@ from lightning_train import PretrainModule
 from lightning_train.callbacks import ThroughputMonitor
 from lightning_train.callbacks.progress import TokenProgressBar, _si
 from tests.conftest import cli_env
-from tests.test_wandb import TokenBatches
+from tests.helpers.tiny_runs import WithValidation
 
 
 class Snapshot(L.Callback):
@@ -33,7 +33,7 @@ def test_bar_shows_tokens_per_second_and_eta(tmp_path, tiny_config):
     trainer = L.Trainer(max_steps=8, callbacks=callbacks, logger=False, enable_checkpointing=False,
                         limit_val_batches=0, accelerator="cpu", enable_model_summary=False,
                         default_root_dir=tmp_path)
-    trainer.fit(PretrainModule(tiny_config, warmup_steps=2), TokenBatches())
+    trainer.fit(PretrainModule(tiny_config, warmup_steps=2), WithValidation(val_rows=64))
     assert "perf/tokens_per_sec" not in snapshot.items
     # The loss is read when the bar redraws; as a progress-bar metric Lightning would read it to the host
     # after every batch (a GPU sync a step).
@@ -132,9 +132,9 @@ def test_bar_ends_its_line_when_the_run_stops_early_or_fails(tmp_path, tiny_conf
                             enable_model_summary=False, default_root_dir=tmp_path)
         if fail:
             with pytest.raises(RuntimeError, match="boom"):
-                trainer.fit(PretrainModule(tiny_config, warmup_steps=2), TokenBatches())
+                trainer.fit(PretrainModule(tiny_config, warmup_steps=2), WithValidation(val_rows=64))
         else:
-            trainer.fit(PretrainModule(tiny_config, warmup_steps=2), TokenBatches())
+            trainer.fit(PretrainModule(tiny_config, warmup_steps=2), WithValidation(val_rows=64))
         out = capsys.readouterr().out
         # The failure comes before the bar sees step 3: it shows the last step it drew, then ends its line.
         assert re.findall(r"\| (\d+/\d+) \[", out)[-1] == ("2/10" if fail else "3/10")

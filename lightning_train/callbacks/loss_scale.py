@@ -26,9 +26,9 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.optim import Optimizer
 
-from lightning_train.alerts import send_alert
 from lightning_train.callbacks._common import is_logging_step, log_metrics
 from lightning_train.errors import UserInputError
+from lightning_train.loggers.alerts import send_alert
 from lightning_train.plugins.precision import AmpPrecision, loss_scale_tensor
 from lightning_train.plugins.step_control import step_control
 
@@ -38,7 +38,7 @@ _COUNTERS = ("overflow_steps", "growth_count", "overflow_run", "longest_overflow
 class LossScaleMonitor(Callback):
     """Logs ``amp/loss_scale``, ``amp/overflow_steps`` (cumulative steps the scaler skipped for inf/NaN
     gradients; each one backs the scale off once, so it is also the back-off count) and
-    ``amp/growth_count`` (cumulative scale growths), and alerts once (``lightning_train.alerts``)
+    ``amp/growth_count`` (cumulative scale growths), and alerts once (``lightning_train.loggers.alerts``)
     when the scale falls below ``min_scale`` or the scaler overflows ``max_consecutive_overflows``
     steps in a row. Without a GradScaler (fp32, bf16) it logs nothing and says so once.
 

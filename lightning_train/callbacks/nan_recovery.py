@@ -43,26 +43,18 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
 from torch.optim import Optimizer
 
-from lightning_train.alerts import send_alert
 from lightning_train.callbacks._common import is_logging_step, log_metrics
 from lightning_train.callbacks._data_skip import skip_train_batches
 from lightning_train.callbacks._snapshot import HostSnapshot
 from lightning_train.callbacks.grad_norm import GradNormMonitor
 from lightning_train.callbacks.rng_state import rng_states
-from lightning_train.errors import UserInputError
+from lightning_train.errors import TrainingAborted, UserInputError
+from lightning_train.loggers.alerts import send_alert
 from lightning_train.plugins.precision import AmpPrecision, loss_scale_tensor
 from lightning_train.plugins.step_control import step_control
 
 FORENSICS_FILE = "nan_recovery_forensics.json"
 _HISTORY = 64  # bad steps, recent steps and events kept for the forensic report
-
-
-class TrainingAborted(Exception):
-    """NaNRecovery gave up. ``checkpoint`` holds the last good state, ``forensics`` the report."""
-
-    def __init__(self, message: str, checkpoint: Path, forensics: Path) -> None:
-        super().__init__(message)
-        self.checkpoint, self.forensics = checkpoint, forensics
 
 
 class NaNRecovery(Callback):

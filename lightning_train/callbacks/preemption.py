@@ -34,7 +34,7 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Checkpoint, ModelCheckpoint
 
 from lightning_train.callbacks._console import print_line
-from lightning_train.errors import UserInputError
+from lightning_train.errors import Preempted, UserInputError
 
 PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL in sysexits.h: "temporary failure, retry later"
 INTERRUPTED_EXIT_CODE = 130  # 128 + SIGINT: what shells report for a job stopped by Ctrl-C
@@ -42,16 +42,6 @@ PREEMPTED_CHECKPOINT = "preempted.ckpt"
 INTERRUPTED_CHECKPOINT = "interrupted.ckpt"
 # The all-reduced flag: MAX picks preemption over Ctrl-C, so a job that a scheduler is stopping exits 75.
 _NO_STOP, _INTERRUPT, _PREEMPT = 0, 1, 2
-
-
-class Preempted(SystemExit):
-    """Raised on every rank once the stop checkpoint is written (``checkpoint``), or at once by a second
-    Ctrl-C (``checkpoint`` None); the process exits with ``code``: 75 (preempted) or 130 (Ctrl-C)."""
-
-    def __init__(self, checkpoint: str | None, code: int = PREEMPTED_EXIT_CODE, step: int | None = None,
-                 signal_name: str = "SIGTERM") -> None:
-        super().__init__(code)
-        self.checkpoint, self.step, self.signal_name = checkpoint, step, signal_name
 
 
 class PreemptionCheckpoint(Checkpoint):

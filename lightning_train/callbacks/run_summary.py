@@ -32,11 +32,11 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.utilities import rank_zero_only
 
 from lightning_train.callbacks._console import close_progress_bars, print_line
-from lightning_train.callbacks.nan_recovery import TrainingAborted
-from lightning_train.callbacks.preemption import INTERRUPTED_EXIT_CODE, Preempted
+from lightning_train.callbacks.preemption import INTERRUPTED_EXIT_CODE
 from lightning_train.callbacks.progress import TOKENS_PER_SEC
 from lightning_train.callbacks.time_to_quality import TimeToQuality
-from lightning_train.checkpoint.format import CorruptCheckpointError, read_manifest
+from lightning_train.checkpoint.format import read_manifest
+from lightning_train.errors import CorruptCheckpointError, Preempted, TrainingAborted
 
 SUMMARY_FILE = "summary.json"
 FINISHED_REASONS = ("target", "max_steps", "max_epochs")  # a rerun of these has nothing left to do

@@ -10,12 +10,7 @@
 
 from lightning_train.checkpoint.consolidate import consolidate
 from lightning_train.checkpoint.export import read_gpt_config, save_safetensors
-from lightning_train.checkpoint.format import (
-    CorruptCheckpointError,
-    IncompatibleCheckpointError,
-    read_checkpoint,
-    verify_checkpoint,
-)
+from lightning_train.checkpoint.format import read_checkpoint, verify_checkpoint
 from lightning_train.checkpoint.io import AtomicCheckpointIO
 from lightning_train.checkpoint.pretrained import Pretrained, open_pretrained
 from lightning_train.checkpoint.resume import (
@@ -27,8 +22,6 @@ from lightning_train.checkpoint.sharded import load_sharded_model_state
 
 __all__ = [
     "AtomicCheckpointIO",
-    "CorruptCheckpointError",
-    "IncompatibleCheckpointError",
     "Pretrained",
     "checkpoint_mismatch_error",
     "consolidate",

@@ -35,7 +35,7 @@ from typing import IO, Any
 import torch
 from lightning.fabric.utilities.data import AttributeDict
 
-from lightning_train.errors import UserInputError
+from lightning_train.errors import CorruptCheckpointError, IncompatibleCheckpointError, UserInputError
 from lightning_train.models.gpt import GPTConfig
 from lightning_train.models.lora import LoRAConfig
 
@@ -46,14 +46,6 @@ FOLDER_MANIFEST = "manifest.json"
 PARTIAL_SUFFIX = ".partial"
 DCP_METADATA = ".metadata"  # torch.distributed.checkpoint's index of a sharded save
 _CHUNK = 1 << 22
-
-
-class CorruptCheckpointError(UserInputError):
-    """A checkpoint that is truncated, altered or unfinished."""
-
-
-class IncompatibleCheckpointError(UserInputError):
-    """A checkpoint written in a newer format than this version of lightning_train reads."""
 
 
 # ---- the manifest ---------------------------------------------------------------------------------------

@@ -28,10 +28,10 @@ import torch
 from torch import nn
 
 from lightning_train.checkpoint.export import CONFIG_FILE, MODEL_FILE, is_our_export, read_gpt_config
-from lightning_train.checkpoint.format import CorruptCheckpointError, read_checkpoint
+from lightning_train.checkpoint.format import read_checkpoint
 from lightning_train.checkpoint.sharded import is_sharded_checkpoint, load_sharded_model_state, read_metadata
 from lightning_train.data.tokenizers import ByteTokenizer
-from lightning_train.errors import UserInputError
+from lightning_train.errors import CorruptCheckpointError, UserInputError
 from lightning_train.models.gpt import GPT, GPTConfig
 from lightning_train.models.hf import config_from_hf, state_dict_from_hf
 from lightning_train.models.lora import LoRAConfig, apply_lora, merge_lora

@@ -23,12 +23,11 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning_train.checkpoint.format import (
     DCP_METADATA,
     FOLDER_MANIFEST,
-    CorruptCheckpointError,
     read_checkpoint,
     read_manifest,
     verify_checkpoint,
 )
-from lightning_train.errors import UserInputError
+from lightning_train.errors import CorruptCheckpointError, UserInputError
 
 RESUME_CHOICES = "auto, none or the path of a checkpoint (or of a folder of checkpoints)"
 

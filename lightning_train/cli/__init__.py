@@ -16,10 +16,9 @@ import importlib
 import sys
 
 from lightning_train._warnings import plain_package_warnings
-from lightning_train.callbacks import TrainingAborted
 from lightning_train.cli._parsers import PROG, TOOLS
 from lightning_train.cli.trainer import SUBCOMMANDS, LightningTrainCLI
-from lightning_train.errors import UserInputError
+from lightning_train.errors import TrainingAborted, UserInputError
 from lightning_train.strategies.data_parallel import leave_process_group
 
 __all__ = ["LightningTrainCLI", "main"]

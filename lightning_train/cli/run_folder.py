@@ -24,8 +24,8 @@ from lightning.pytorch.trainer.states import TrainerFn
 
 from lightning_train.callbacks import TimeToQuality
 from lightning_train.callbacks.run_summary import SUMMARY_FILE, log_dir_of
-from lightning_train.checkpoint.format import CorruptCheckpointError, read_manifest
-from lightning_train.errors import UserInputError
+from lightning_train.checkpoint.format import read_manifest
+from lightning_train.errors import CorruptCheckpointError, UserInputError
 
 RUNS = Path("runs")
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")

@@ -29,8 +29,8 @@ from typing import Any
 
 import yaml
 
-from lightning_train.alerts import read_alerts
 from lightning_train.errors import UserInputError
+from lightning_train.loggers.alerts import read_alerts
 
 LIGHTNING_LOG_EVERY_N_STEPS = 50  # Lightning's default, for a launch without a saved config
 CLOCK_SLACK_S = 2.0  # file times vs the launch's own files (1 s resolution on some file systems)

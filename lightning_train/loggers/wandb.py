@@ -16,7 +16,7 @@ What it adds to ``lightning.pytorch.loggers.WandbLogger``:
   environment variable (``WANDB_API_KEY``, ``HF_TOKEN``, ...) becomes ``"<redacted>"``;
 * tags (``pretrain`` / ``fine-tune`` from the module) and a run group for multi-process jobs: one run
   per job, written by rank zero, or one run per rank (``log_all_ranks=True``) in the same group;
-* ``log_alert``: the package's alerts (``lightning_train.alerts.send_alert``) become ``wandb.alert``
+* ``log_alert``: the package's alerts (``lightning_train.loggers.alerts.send_alert``) become ``wandb.alert``
   (offline they are kept in the run file and sent by ``wandb sync``);
 * robustness: if W&B cannot start (no API key, bad entity, no network) it warns once and falls back
   to offline mode, then to a no-op run; if a W&B call fails later it warns once and stops logging.
@@ -185,7 +185,7 @@ class WandbLogger(LightningWandbLogger):
             self._guard(self._describe_run, model)
 
     def log_alert(self, title: str, text: str, level: str = "WARN", step: int | None = None) -> None:
-        """The package's alert protocol (``lightning_train.alerts``) as a W&B alert."""
+        """The package's alert protocol (``lightning_train.loggers.alerts``) as a W&B alert."""
 
         def alert(run: Any) -> None:
             import wandb

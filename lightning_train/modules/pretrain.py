@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 from torchmetrics import MeanMetric
 
+from lightning_train.callbacks._common import is_logging_step
 from lightning_train.errors import UserInputError
 from lightning_train.models.float8 import check_float8_device, convert_to_float8
 from lightning_train.models.gpt import GPT, GPTConfig
@@ -177,12 +178,9 @@ class PretrainModule(L.LightningModule):
         loss = self.compute_loss(self(batch["input_ids"]), batch["labels"])
         self._log_train_loss(loss, batch["labels"], batch_idx)
         # A logged float is copied to the device each time: log it when it is written.
-        if self._is_logging_step():
+        if is_logging_step(self.trainer, before_step=True):
             self.log("train/lr", self.optimizers().param_groups[0]["lr"])
         return loss
-
-    def _is_logging_step(self) -> bool:
-        return (self.global_step + 1) % self.trainer.log_every_n_steps == 0
 
     def _log_train_loss(self, loss: torch.Tensor, labels: torch.Tensor, batch_idx: int) -> None:
         """``train/loss``: the token-weighted mean over the optimizer step's global batch (every
@@ -196,7 +194,7 @@ class PretrainModule(L.LightningModule):
             sums = sums + self._step_loss_sums
         self._step_loss_sums = sums
         steps_now = (batch_idx + 1) % accumulate == 0 or batch_idx + 1 == self.trainer.num_training_batches
-        if steps_now and self._is_logging_step():
+        if steps_now and is_logging_step(self.trainer, before_step=True):
             sums = self.trainer.strategy.reduce(sums.clone(), reduce_op="sum")
         self.log("train/loss", sums[0] / sums[1])
 
