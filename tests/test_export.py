@@ -211,8 +211,8 @@ def cli(*args: str) -> tuple[int, str, str]:
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:
             main(list(args))
-        except SystemExit as exit:
-            code = exit.code
+        except SystemExit as stopped:
+            code = stopped.code
     return code, out.getvalue(), err.getvalue()
 
 
