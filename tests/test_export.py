@@ -244,6 +244,10 @@ def refusal_cases(tmp_path: Path) -> dict[str, tuple[list[str], str]]:
         ),
         "non-empty output": ([good, "--output", str(tmp_path / "full")], "already exists and is not empty"),
         "missing checkpoint": ([str(tmp_path / "nope.ckpt")], "does not exist"),
+        "output is the checkpoint": (
+            [str(tmp_path / "full"), "--output", str(tmp_path / "full"), "--overwrite", "true"],
+            "is the checkpoint being exported",
+        ),
         "bad shard size": ([good, "--max_shard_size", "lots"], "--max_shard_size 'lots' is not a size"),
     }
 
@@ -256,6 +260,7 @@ def test_every_refusal_is_one_error_line_and_exit_2(tmp_path):
         assert code == 2 and len(lines) == 1, (case, err[-2000:])
         assert lines[0].startswith("error: ") and message in lines[0], (case, lines)
         assert not (tmp_path / "out").exists(), case  # nothing written
+    assert [p.name for p in (tmp_path / "full").iterdir()] == ["notes.txt"]
     good = str(tmp_path / "good.ckpt")
     code, _, err = cli("export", "--checkpoint", good, "--output", str(tmp_path / "o"), "--format", "onnx")
     assert code == 2 and err.startswith("error: ") and "onnx" in err.splitlines()[0]

@@ -43,6 +43,8 @@ def export(
     source, target = Path(checkpoint), Path(output)
     if not source.exists():
         raise UserInputError(f"checkpoint {source} does not exist; pass a .ckpt file or a checkpoint folder")
+    if target.resolve() == source.resolve():
+        raise UserInputError(f"--output {target} is the checkpoint being exported; choose another folder")
     if format not in ("hf", "safetensors"):
         raise UserInputError(f"--format {format!r} is not one of 'hf', 'safetensors'")
     shard_bytes = parse_size(max_shard_size)
