@@ -38,6 +38,13 @@ class Given:
 
 
 GIVEN: dict[str, Given] = {
+    "README.md#1": Given(cli=[  # the fine-tune section's export, of a 2-step pretraining and fine-tune
+        ["fit", "--config", str(REPO / "configs" / "pretrain-tiny.yaml"), "--trainer.max_steps=2",
+         "--trainer.limit_val_batches=0"],
+        ["fit", "--config", str(REPO / "configs" / "finetune-tiny.yaml"), "--trainer.max_steps=2",
+         "--trainer.limit_val_batches=0"],
+        ["export", "--checkpoint", "runs/finetune-tiny/checkpoints/last.ckpt", "--output", "exports/ft"],
+    ]),
     "docs/precision.md#2": Given(prelude="docs/precision.md#1"),
     "docs/strategies.md#1": Given(cuda_devices=8),  # its first line is a 2-node x 8-GPU Trainer
     "docs/strategies.md#2": Given(

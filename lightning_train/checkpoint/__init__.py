@@ -5,10 +5,11 @@
 - ``sharded``: ``torch.distributed.checkpoint`` folders, saved and loaded at any world size;
 - ``resume``: ``--resume auto|none|PATH``;
 - ``pretrained``: ``open_pretrained``, weights from any source (our checkpoints, exports, HF folders);
-- ``export`` and ``consolidate``: ``model.safetensors`` + ``config.json``.
+- ``export`` (file writing) and ``consolidate`` (``export``/``consolidate``): a Hugging Face folder, or
+  ``model.safetensors`` + ``config.json``.
 """
 
-from lightning_train.checkpoint.consolidate import consolidate
+from lightning_train.checkpoint.consolidate import consolidate, export
 from lightning_train.checkpoint.export import read_gpt_config, save_safetensors
 from lightning_train.checkpoint.format import read_checkpoint, verify_checkpoint
 from lightning_train.checkpoint.io import AtomicCheckpointIO
@@ -25,6 +26,7 @@ __all__ = [
     "Pretrained",
     "checkpoint_mismatch_error",
     "consolidate",
+    "export",
     "find_resume_checkpoint",
     "load_sharded_model_state",
     "open_pretrained",

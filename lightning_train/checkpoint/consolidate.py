@@ -1,34 +1,95 @@
-"""``consolidate``: any checkpoint of this package (a sharded folder of any world size, or a ``.ckpt``)
-exported to ``model.safetensors`` + ``config.json`` in one plain process. A library function: it
-returns what it wrote and prints nothing (the ``consolidate`` subcommand reports it)."""
+"""``export``: any checkpoint of this package (a sharded folder of any world size, or a ``.ckpt``) or
+other weights source, written as a Hugging Face folder or in our safetensors format in one plain
+process; ``consolidate`` is its older name for the latter. Library functions: they return what they
+wrote and print nothing (the ``export`` and ``consolidate`` subcommands report it)."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
+from typing import Literal
 
-from lightning_train.checkpoint.export import MODEL_FILE, save_safetensors
+from lightning_train.checkpoint.export import CONFIG_FILE, EXPORT_FILES, MODEL_FILE, save_hf, save_safetensors
 from lightning_train.checkpoint.pretrained import open_pretrained
 from lightning_train.errors import UserInputError
+from lightning_train.models.hf import hf_config
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
 
-def consolidate(checkpoint: str, output: str, overwrite: bool = False) -> Path:
-    """Export a checkpoint of this package — a sharded folder of any world size, or a ``.ckpt`` file
-    (LoRA adapters merged) — to ``OUTPUT/model.safetensors`` (full fp32 weights, names as in
-    ``GPT.state_dict()``) and ``OUTPUT/config.json`` (the ``GPTConfig``), which fine-tuning and
-    ``generate`` load. Runs in one plain process, whatever the world size was. Returns the path of
-    ``model.safetensors``.
+def export(
+    checkpoint: str,
+    output: str,
+    format: Literal["hf", "safetensors"] = "hf",
+    overwrite: bool = False,
+    max_shard_size: str = "5GB",
+) -> list[Path]:
+    """Export a checkpoint of this package — a ``.ckpt`` file, a sharded folder of any world size
+    (LoRA adapters merged), or any other source ``open_pretrained`` reads — in one plain process.
+    Returns the files written; prints nothing.
 
     Args:
-        checkpoint: the checkpoint folder or file.
-        output: folder to write into (created if missing).
-        overwrite: replace an existing export in ``output``.
+        checkpoint: the checkpoint file or folder.
+        output: the folder to write (created; refused when it is not empty, unless ``overwrite``).
+        format: ``hf``: a Hugging Face folder that ``transformers.AutoModelForCausalLM`` and
+            ``AutoTokenizer`` load with no custom code (``LlamaForCausalLM`` for the Llama-style block,
+            ``GPT2LMHeadModel`` for the GPT-2 block: config.json, model.safetensors, generation_config.json,
+            tokenizer.json, tokenizer_config.json). ``safetensors``: our own ``model.safetensors`` +
+            ``config.json`` (what ``consolidate`` writes).
+        overwrite: replace the files of an earlier export in ``output``.
+        max_shard_size: above it the weights are split into ``model-0000i-of-0000n.safetensors`` with
+            a ``model.safetensors.index.json`` (``hf`` only), e.g. ``5GB``, ``500MB`` or a byte count.
     """
     source, target = Path(checkpoint), Path(output)
     if not source.exists():
-        raise UserInputError(f"checkpoint {source} does not exist")
-    if (target / MODEL_FILE).exists() and not overwrite:
+        raise UserInputError(f"checkpoint {source} does not exist; pass a .ckpt file or a checkpoint folder")
+    if target.resolve() == source.resolve():
+        raise UserInputError(f"--output {target} is the checkpoint being exported; choose another folder")
+    if format not in ("hf", "safetensors"):
+        raise UserInputError(f"--format {format!r} is not one of 'hf', 'safetensors'")
+    shard_bytes = parse_size(max_shard_size)
+    _check_output(target, overwrite)
+    pretrained = open_pretrained(source)
+    if format == "safetensors":
+        save_safetensors(pretrained.build(), target)
+        return [target / MODEL_FILE, target / CONFIG_FILE]
+    hf_config(pretrained.config)  # refuses a model with no HF equivalent before reading the weights
+    return save_hf(pretrained.build(), target, pretrained.tokenizer, shard_bytes)
+
+
+def consolidate(checkpoint: str, output: str, overwrite: bool = False) -> Path:
+    """``export(checkpoint, output, format="safetensors")``, by its older name: our
+    ``model.safetensors`` + ``config.json``, which fine-tuning and ``generate`` load. Returns the
+    path of ``model.safetensors``.
+
+    Args:
+        checkpoint: the checkpoint folder or file.
+        output: folder to write into (created; refused when it is not empty, unless ``overwrite``).
+        overwrite: replace the files of an earlier export in ``output``.
+    """
+    return export(checkpoint, output, format="safetensors", overwrite=overwrite)[0]
+
+
+def parse_size(size: str | int) -> int:
+    """Bytes of ``"5GB"``, ``"500MB"``, ``"2KiB"`` or a plain count (decimal units, as transformers)."""
+    found = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]I?B|B)?\s*", str(size), re.IGNORECASE)
+    if not found or float(found.group(1)) <= 0:
+        raise UserInputError(f"--max_shard_size {size!r} is not a size; write e.g. 5GB, 500MB or 1000000")
+    return int(float(found.group(1)) * _UNITS[(found.group(2) or "").upper()])
+
+
+def _check_output(target: Path, overwrite: bool) -> None:
+    if target.exists() and not target.is_dir():
+        raise UserInputError(f"--output {target} is a file; pass a folder")
+    if not target.is_dir() or not any(target.iterdir()):
+        return
+    if not overwrite:
         raise UserInputError(
-            f"{target / MODEL_FILE} already exists; choose another --output or pass --overwrite true"
+            f"output folder {target} already exists and is not empty; choose another --output or pass "
+            "--overwrite true"
         )
-    save_safetensors(open_pretrained(source).build(), target)
-    return target / MODEL_FILE
+    for path in target.iterdir():  # an earlier export's files only: a stale shard would be loaded
+        if path.is_file() and EXPORT_FILES.fullmatch(path.name):
+            path.unlink()
+
+

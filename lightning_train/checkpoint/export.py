@@ -1,4 +1,6 @@
-"""Our export format: ``model.safetensors`` (the ``GPT.state_dict()``) + ``config.json`` (its ``GPTConfig``).
+"""Writing exports: a Hugging Face model folder (``save_hf``) or our own format (``save_safetensors``:
+``model.safetensors``, the ``GPT.state_dict()``, + ``config.json``, its ``GPTConfig``), both of which
+``open_pretrained`` reads back. ``consolidate.export`` chooses between them for a checkpoint.
 
     >>> import tempfile
     >>> from lightning_train.models.gpt import GPT, GPTConfig
@@ -13,28 +15,171 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
+import shutil
 from pathlib import Path
+from typing import Any
 
+import torch
+
+from lightning_train.data.tokenizers import ByteTokenizer, HFTokenizer, load_tokenizer
 from lightning_train.errors import UserInputError
 from lightning_train.models.gpt import GPT, GPTConfig
+from lightning_train.models.hf import hf_config, state_dict_to_hf
 
 MODEL_FILE, CONFIG_FILE = "model.safetensors", "config.json"
 MODEL_TYPE = "gpt"  # the "model_type" of our config.json (HF folders name their own architecture)
+INDEX_FILE, GENERATION_FILE = "model.safetensors.index.json", "generation_config.json"
+TOKENIZER_FILE, TOKENIZER_CONFIG_FILE = "tokenizer.json", "tokenizer_config.json"
+# Files an export may have written; --overwrite replaces these and leaves anything else in the folder.
+EXPORT_FILES = re.compile(
+    r"(config|generation_config|tokenizer|tokenizer_config|special_tokens_map)\.json"
+    r"|model(-\d+-of-\d+)?\.safetensors|model\.safetensors\.index\.json"
+)
 
 
+# ---- Hugging Face folders -------------------------------------------------------------------------------
+def save_hf(
+    model: GPT, output_dir: Path, tokenizer: str | None, max_shard_size: int = 5 * 10**9
+) -> list[Path]:
+    """Write ``model`` as a Hugging Face folder (see ``export``) with the tokenizer named by
+    ``tokenizer`` (``"byte"``, a ``tokenizer.json`` path, or None for none); returns the files."""
+    output_dir.mkdir(parents=True, exist_ok=True)
+    weights = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+    weights = state_dict_to_hf(weights, model.config)
+    special = _tokenizer_ids(tokenizer)
+    config = {**hf_config(model.config), **special, "torch_dtype": _dtype_name(weights)}
+    written = _write_weights(weights, output_dir, max_shard_size)
+    written.append(_write_json(output_dir / CONFIG_FILE, config))
+    generation = {**special, "do_sample": False}
+    written.append(_write_json(output_dir / GENERATION_FILE, generation))
+    if tokenizer is not None:
+        written += _write_tokenizer(tokenizer, output_dir, model.config.block_size)
+    return sorted(written)
+
+
+def _dtype_name(weights: dict[str, torch.Tensor]) -> str:
+    return str(next(iter(weights.values())).dtype).removeprefix("torch.")
+
+
+def _write_weights(weights: dict[str, torch.Tensor], output_dir: Path, max_shard_size: int) -> list[Path]:
+    """One ``model.safetensors``, or shards filled in key order up to ``max_shard_size`` (a tensor
+    larger than that gets a shard of its own) with the index transformers reads."""
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, tensor in weights.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if shards[-1] and size + nbytes > max_shard_size:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensor
+        size += nbytes
+    if len(shards) == 1:
+        return [_write_safetensors(output_dir / MODEL_FILE, weights)]
+    names = [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
+    written = [_write_safetensors(output_dir / n, shard) for n, shard in zip(names, shards, strict=True)]
+    total = sum(t.numel() * t.element_size() for t in weights.values())
+    weight_map = {key: n for n, shard in zip(names, shards, strict=True) for key in shard}
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    return [*written, _write_json(output_dir / INDEX_FILE, index)]
+
+
+def _tokenizer_ids(tokenizer: str | None) -> dict[str, int]:
+    """bos/eos/pad ids for config.json and generation_config.json (bos = eos: a document follows an
+    end of text, as in GPT-2)."""
+    if tokenizer is None:
+        return {}
+    loaded = load_tokenizer(tokenizer)
+    return {"bos_token_id": loaded.eos_id, "eos_token_id": loaded.eos_id, "pad_token_id": loaded.pad_id}
+
+
+def _write_tokenizer(spec: str, output_dir: Path, block_size: int) -> list[Path]:
+    """The byte tokenizer built as a ``tokenizers`` tokenizer; an HF tokenizer.json copied, with its
+    tokenizer_config.json and special_tokens_map.json when they sit beside it."""
+    if spec == "byte":
+        (output_dir / TOKENIZER_FILE).write_text(byte_tokenizer_json(), encoding="utf-8")
+        names = ByteTokenizer.special_tokens
+        eos, pad = names[ByteTokenizer.eos_id], names[ByteTokenizer.pad_id]
+        written = [output_dir / TOKENIZER_FILE]
+    else:
+        from tokenizers import Tokenizer
+
+        source = Path(spec).expanduser()
+        source = source / TOKENIZER_FILE if source.is_dir() else source
+        written = []
+        for name in (TOKENIZER_FILE, "special_tokens_map.json", TOKENIZER_CONFIG_FILE):
+            if (source.parent / name).is_file() or name == TOKENIZER_FILE:
+                shutil.copyfile(source if name == TOKENIZER_FILE else source.parent / name, output_dir / name)
+                written.append(output_dir / name)
+        if (output_dir / TOKENIZER_CONFIG_FILE).is_file():
+            return written
+        ours, theirs = HFTokenizer(source), Tokenizer.from_file(str(source))
+        eos, pad = theirs.id_to_token(ours.eos_id), theirs.id_to_token(ours.pad_id)
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": eos, "eos_token": eos, "pad_token": pad,
+        "model_max_length": block_size, "clean_up_tokenization_spaces": False,
+        # As ours: "<|endoftext|>" written in a text is text; only data preparation inserts the token.
+        "split_special_tokens": True,
+    }
+    return [*written, _write_json(output_dir / TOKENIZER_CONFIG_FILE, config)]
+
+
+def byte_tokenizer_json() -> str:
+    """``ByteTokenizer`` as a ``tokenizers`` tokenizer.json: each byte is one token whose id is the
+    byte's value (a byte-level BPE without merges), then ``<|endoftext|>`` and ``<|pad|>``; decoding
+    turns ids back into bytes and those into text with invalid UTF-8 replaced, as ours does."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    byte_chars = _bytes_to_unicode()
+    vocab = {byte_chars[b]: b for b in range(256)} | {t: i for i, t in ByteTokenizer.special_tokens.items()}
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens(
+        [AddedToken(t, special=True, normalized=False) for t in ByteTokenizer.special_tokens.values()]
+    )
+    return tokenizer.to_str(pretty=True)
+
+
+def is_byte_tokenizer(path: Path) -> bool:
+    """Whether ``path`` is the tokenizer.json ``byte_tokenizer_json`` writes (read back as ``"byte"``)."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8")) == json.loads(byte_tokenizer_json())
+    except (OSError, ValueError, ImportError):
+        return False
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's printable character for each byte, the alphabet of ``tokenizers``' ByteLevel steps."""
+    ranges = (("!", "~"), ("¡", "¬"), ("®", "ÿ"))
+    printable = [b for first, last in ranges for b in range(ord(first), ord(last) + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return {b: chr(b) for b in printable} | {b: chr(256 + n) for n, b in enumerate(others)}
+
+
+def _write_json(path: Path, values: dict[str, Any]) -> Path:
+    path.write_text(json.dumps(values, indent=2) + "\n", encoding="utf-8")
+    return path
+
+
+def _write_safetensors(path: Path, weights: dict[str, torch.Tensor]) -> Path:
+    from safetensors.torch import save_file
+
+    save_file(weights, str(path), metadata={"format": "pt"})
+    os.chmod(path, 0o666 & ~_umask())  # safetensors creates it 0600; readable like the json files
+    return path
+
+
+# ---- our own format -------------------------------------------------------------------------------------
 def save_safetensors(model: GPT, output_dir: str | Path) -> Path:
     """Write ``model.safetensors`` and a ``config.json`` that ``read_gpt_config`` reads back; returns
     the folder. Every key of ``model.state_dict()`` is stored, so a plain strict ``load_state_dict``
     works too (a tied ``lm_head.weight`` as its own copy: safetensors stores no shared tensors)."""
-    from safetensors.torch import save_file
-
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     state_dict = {k: v.detach().cpu().contiguous().clone() for k, v in model.state_dict().items()}
-    save_file(state_dict, str(output_dir / MODEL_FILE), metadata={"format": "pt"})
-    os.chmod(output_dir / MODEL_FILE, 0o666 & ~_umask())  # safetensors creates it 0600; readable like config
-    config = {"model_type": MODEL_TYPE, **dataclasses.asdict(model.config)}
-    (output_dir / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    _write_safetensors(output_dir / MODEL_FILE, state_dict)
+    _write_json(output_dir / CONFIG_FILE, {"model_type": MODEL_TYPE, **dataclasses.asdict(model.config)})
     return output_dir
 
 

@@ -27,7 +27,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_train.checkpoint.export import CONFIG_FILE, MODEL_FILE, is_our_export, read_gpt_config
+from lightning_train.checkpoint.export import (
+    CONFIG_FILE,
+    MODEL_FILE,
+    is_byte_tokenizer,
+    is_our_export,
+    read_gpt_config,
+)
 from lightning_train.checkpoint.format import read_checkpoint
 from lightning_train.checkpoint.sharded import is_sharded_checkpoint, load_sharded_model_state, read_metadata
 from lightning_train.data.tokenizers import ByteTokenizer
@@ -79,6 +85,8 @@ def open_pretrained(
         )
     tokenizer_json = (path if path.is_dir() else path.parent) / "tokenizer.json"
     tokenizer = str(tokenizer_json) if tokenizer_json.is_file() else None
+    if tokenizer and is_byte_tokenizer(tokenizer_json):  # our byte tokenizer, exported: "byte" again
+        tokenizer = "byte"
     if path.is_dir() and is_our_export(path):
         path = path / MODEL_FILE
     if path.is_dir() and is_sharded_checkpoint(path):

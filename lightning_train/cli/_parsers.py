@@ -17,7 +17,8 @@ PROG = "python -m lightning_train"
 TOOLS = {
     "prepare": "Tokenize text files into token shards for training.",
     "generate": "Print a model's completions of prompts.",
-    "consolidate": "Export a checkpoint to model.safetensors + config.json.",
+    "export": "Export a checkpoint as a Hugging Face model folder.",
+    "consolidate": "The older name of `export --format safetensors`.",
     "report": "Plot a run's metrics to PNGs and report.html.",
     "dashboard": "Save a run's W&B dashboard and its JSON spec.",
 }

@@ -1,4 +1,4 @@
-"""``python -m lightning_train consolidate``: a checkpoint of any world size to safetensors."""
+"""``python -m lightning_train consolidate``: the older name of ``export --format safetensors``."""
 
 from __future__ import annotations
 

@@ -21,6 +21,7 @@ Mapping rather than wrapping: the weights become a plain ``GPT``, so every part 
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -70,7 +71,7 @@ def gpt2_config(hf: dict[str, Any], source: str) -> GPTConfig:
         vocab_size=hf["vocab_size"], block_size=hf["n_positions"], n_layer=hf["n_layer"], n_head=hf["n_head"],
         n_embd=hf["n_embd"], intermediate_size=hf.get("n_inner") or 4 * hf["n_embd"], norm="layernorm",
         position="learned", mlp="gelu", bias=True, tie_embeddings=hf.get("tie_word_embeddings", True),
-        norm_eps=hf.get("layer_norm_epsilon", 1e-5),
+        norm_eps=hf.get("layer_norm_epsilon", 1e-5), **_training_settings(hf, "resid_pdrop"),
     )
 
 
@@ -94,8 +95,15 @@ def llama_config(hf: dict[str, Any], source: str) -> GPTConfig:
         intermediate_size=hf["intermediate_size"], norm="rmsnorm", position="rope", mlp="swiglu",
         bias=bool(hf.get("attention_bias", False)), tie_embeddings=hf.get("tie_word_embeddings", False),
         rope_theta=hf.get("rope_theta", rope.get("rope_theta", 10000.0)),
-        norm_eps=hf.get("rms_norm_eps", 1e-6),
+        norm_eps=hf.get("rms_norm_eps", 1e-6), **_training_settings(hf, "attention_dropout"),
     )
+
+
+def _training_settings(hf: dict[str, Any], dropout_key: str) -> dict[str, Any]:
+    """Dropout and init scale, where the config.json records them (so an export reads back as the
+    GPTConfig it came from); otherwise our defaults."""
+    values = {"dropout": hf.get(dropout_key), "init_std": hf.get("initializer_range")}
+    return {key: value for key, value in values.items() if value is not None}
 
 
 def _convert_gpt2(w: StateDict, config: GPTConfig, source: str) -> StateDict:
@@ -137,4 +145,98 @@ def _finish(out: StateDict, rest: StateDict, config: GPTConfig, source: str) -> 
     rest = {k: v for k, v in rest.items() if not k.endswith("rotary_emb.inv_freq")}  # derived buffers
     if rest:
         raise UserInputError(f"{source!r} holds weights with no place in our GPT: {sorted(rest)[:6]}")
+    return out
+
+
+# ---- the way out: our GPT as an HF GPT2LMHeadModel or LlamaForCausalLM --------------------------------
+LLAMA_BLOCK = {"norm": "rmsnorm", "position": "rope", "mlp": "swiglu"}
+GPT2_BLOCK = {"norm": "layernorm", "position": "learned", "mlp": "gelu", "bias": True}
+
+
+def hf_config(config: GPTConfig) -> dict[str, Any]:
+    """The HF ``config.json`` values of a model with ``config`` (the inverse of ``config_from_hf``);
+    refuses a config neither HF architecture describes with one error naming the settings."""
+    flavour = _hf_flavour(config)
+    common = {"vocab_size": config.vocab_size, "initializer_range": config.init_std,
+              "tie_word_embeddings": config.tie_embeddings}
+    if flavour == "gpt2":
+        return {
+            "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", **common,
+            "n_positions": config.block_size, "n_ctx": config.block_size, "n_layer": config.n_layer,
+            "n_head": config.n_head, "n_embd": config.n_embd, "n_inner": config.intermediate_size,
+            "activation_function": "gelu_pytorch_tanh", "layer_norm_epsilon": config.norm_eps,
+            "resid_pdrop": config.dropout, "embd_pdrop": config.dropout, "attn_pdrop": config.dropout,
+        }
+    return {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", **common,
+        "hidden_size": config.n_embd, "intermediate_size": config.intermediate_size,
+        "num_hidden_layers": config.n_layer, "num_attention_heads": config.n_head,
+        "num_key_value_heads": config.n_kv_head, "head_dim": config.head_dim, "hidden_act": "silu",
+        "max_position_embeddings": config.block_size, "rms_norm_eps": config.norm_eps,
+        "rope_theta": config.rope_theta, "attention_bias": config.bias,
+        "mlp_bias": config.bias, "attention_dropout": config.dropout,
+    }
+
+
+def _hf_flavour(config: GPTConfig) -> str:
+    ours = dataclasses.asdict(config)
+    for flavour, block in (("llama", LLAMA_BLOCK), ("gpt2", GPT2_BLOCK)):
+        if all(ours[k] == v for k, v in block.items()):
+            if flavour == "gpt2" and config.n_kv_head != config.n_head:
+                raise UserInputError(
+                    f"cannot export to Hugging Face: n_kv_head={config.n_kv_head} != n_head={config.n_head} "
+                    "(grouped-query attention) does not map onto GPT2LMHeadModel; export it with "
+                    "--format safetensors"
+                )
+            return flavour
+    settings = ", ".join(f"{k}={ours[k]!r}" for k in ("norm", "position", "mlp", "bias"))
+    raise UserInputError(
+        f"cannot export to Hugging Face: {settings} maps onto neither LlamaForCausalLM "
+        "(norm='rmsnorm', position='rope', mlp='swiglu') nor GPT2LMHeadModel (norm='layernorm', "
+        "position='learned', mlp='gelu', bias=True); export it with --format safetensors"
+    )
+
+
+def state_dict_to_hf(weights: StateDict, config: GPTConfig) -> StateDict:
+    """Our state dict in the key names and layouts of ``hf_config(config)``'s architecture (the inverse
+    of ``state_dict_from_hf``; a tied ``lm_head.weight`` is left out, as transformers saves it)."""
+    weights = dict(weights)
+    head = weights.pop("lm_head.weight", None)
+    if _hf_flavour(config) == "gpt2":
+        out = _gpt2_from_ours(weights, config)
+    else:
+        out = _llama_from_ours(weights, config)
+    if not config.tie_embeddings:
+        out["lm_head.weight"] = head
+    return out
+
+
+def _gpt2_from_ours(w: StateDict, config: GPTConfig) -> StateDict:
+    out = {"transformer.wte.weight": w["embed.weight"], "transformer.wpe.weight": w["pos_embed.weight"],
+           "transformer.ln_f.weight": w["norm.weight"], "transformer.ln_f.bias": w["norm.bias"]}
+    names = {"ln_1": "attn_norm", "ln_2": "mlp_norm", "attn.c_attn": "attn.qkv", "attn.c_proj": "attn.proj",
+             "mlp.c_fc": "mlp.up", "mlp.c_proj": "mlp.down"}
+    for i in range(config.n_layer):
+        for theirs, ours in names.items():
+            weight = w[f"blocks.{i}.{ours}.weight"]  # Conv1D keeps (in, out): transposed
+            weight = weight if theirs.startswith("ln") else weight.t().contiguous()
+            out[f"transformer.h.{i}.{theirs}.weight"] = weight
+            out[f"transformer.h.{i}.{theirs}.bias"] = w[f"blocks.{i}.{ours}.bias"]
+    return out
+
+
+def _llama_from_ours(w: StateDict, config: GPTConfig) -> StateDict:
+    out = {"model.embed_tokens.weight": w["embed.weight"], "model.norm.weight": w["norm.weight"]}
+    q, kv = config.n_head * config.head_dim, config.n_kv_head * config.head_dim
+    for i in range(config.n_layer):
+        p, b = f"model.layers.{i}.", f"blocks.{i}."
+        out[p + "input_layernorm.weight"] = w[b + "attn_norm.weight"]
+        out[p + "post_attention_layernorm.weight"] = w[b + "mlp_norm.weight"]
+        for kind in ("weight", "bias") if config.bias else ("weight",):
+            parts = w[f"{b}attn.qkv.{kind}"].split([q, kv, kv])
+            for name, part in zip(("q_proj", "k_proj", "v_proj"), parts, strict=True):
+                out[f"{p}self_attn.{name}.{kind}"] = part.contiguous()
+            out[f"{p}self_attn.o_proj.{kind}"] = w[f"{b}attn.proj.{kind}"]
+            for theirs, ours in (("gate_proj", "gate"), ("up_proj", "up"), ("down_proj", "down")):
+                out[f"{p}mlp.{theirs}.{kind}"] = w[f"{b}mlp.{ours}.{kind}"]
     return out
