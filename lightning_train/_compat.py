@@ -241,17 +241,15 @@ def cli_config_value(cli: Any, config: Any, key: str, default: Any = None) -> An
     return cli._get(config, key, default=default)
 
 
-def prepare_subcommand_parser(cli: Any, name: str, **options: Any) -> Any:
-    """A subcommand's parser, made as LightningCLI makes it (``LightningCLI._prepare_subcommand_parser``,
+def subcommand_parser(cli: Any, name: str, **options: Any) -> Any:
+    """A subcommand's parser, made and recorded where LightningCLI reads it after parsing, as its
+    ``_add_subcommands`` does (``LightningCLI._prepare_subcommand_parser``, ``._subcommand_parsers``,
     Lightning 2.5-2.6)."""
-    return cli._prepare_subcommand_parser(cli.trainer_class, name, **options)
-
-
-def reset_subcommand_parsers(cli: Any) -> dict[str, Any]:
-    """LightningCLI's table of subcommand parsers, emptied, for ``_add_subcommands`` to fill
-    (``LightningCLI._subcommand_parsers``, Lightning 2.5-2.6)."""
-    cli._subcommand_parsers = {}
-    return cli._subcommand_parsers
+    parser = cli._prepare_subcommand_parser(cli.trainer_class, name, **options)
+    if not hasattr(cli, "_subcommand_parsers"):
+        cli._subcommand_parsers = {}
+    cli._subcommand_parsers[name] = parser
+    return parser
 
 
 # ---- tqdm and argparse ------------------------------------------------------------------------------------

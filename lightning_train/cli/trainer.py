@@ -24,7 +24,7 @@ from lightning.pytorch.plugins.environments import ClusterEnvironment, SLURMEnvi
 from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
-from lightning_train._compat import cli_config_value, prepare_subcommand_parser, reset_subcommand_parsers
+from lightning_train._compat import cli_config_value, subcommand_parser
 from lightning_train.callbacks import PreemptionCheckpoint, RNGStateKeeper, RunSummary, TokenProgressBar
 from lightning_train.checkpoint import (
     AtomicCheckpointIO,
@@ -68,13 +68,10 @@ class LightningTrainCLI(LightningCLI):
 
     def _add_subcommands(self, parser: LightningArgumentParser, **kwargs: Any) -> None:
         """Lightning's, with a whole line of help for each subcommand."""
-        parsers = reset_subcommand_parsers(self)
         subcommands = parser.add_subcommands(title="subcommands", description=None, metavar="SUBCOMMAND")
         for name in self.subcommands():
             options = {"prog": f"{PROG} {name}", "description": SUBCOMMANDS[name], **kwargs.get(name, {})}
-            subparser = prepare_subcommand_parser(self, name, **options)
-            parsers[name] = subparser
-            subcommands.add_subcommand(name, subparser, help=SUBCOMMANDS[name])
+            subcommands.add_subcommand(name, subcommand_parser(self, name, **options), help=SUBCOMMANDS[name])
 
     def _parse_ckpt_path(self) -> None:
         """Lightning's (it reads ``--ckpt_path``'s hyper-parameters with torch.load), after checking the
