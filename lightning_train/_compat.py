@@ -16,6 +16,8 @@ Overrides of private methods that stay in their classes (a subclass can only ove
 * ``HelpFormatter._fill_text``, ``._get_help_string`` and ``._format_action`` (``argparse.HelpFormatter``
   through jsonargparse's ``DefaultHelpFormatter``), in ``cli/_parsers.py``: argparse's only way to
   format help text.
+
+``tests/test_compat.py`` checks that each of these methods is still defined and called by its base.
 """
 
 from __future__ import annotations

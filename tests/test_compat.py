@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import copy
 import copyreg
+import inspect
 import io
 import socket
 from pathlib import Path
@@ -19,6 +20,8 @@ from lightning.pytorch.callbacks import TQDMProgressBar
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.demos.boring_classes import BoringModel, RandomDataset
 from lightning.pytorch.loggers import WandbLogger
+from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.trainer.connectors import accelerator_connector
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.device_mesh import init_device_mesh
@@ -406,3 +409,18 @@ def test_subcommand_actions():
         ("fit", "Train a model."), ("validate", "Evaluate."),
     ]
     assert _compat.subcommand_actions(parser.add_argument("--seed")) is None
+
+
+# ---- private methods overridden in place (listed in _compat's docstring) ----------------------------------
+@pytest.mark.parametrize("base, name, caller", [
+    (LightningCLI, "_add_subcommands", LightningCLI),
+    (LightningCLI, "_parse_ckpt_path", LightningCLI),
+    (ModelParallelStrategy, "_configure_launcher", accelerator_connector),
+    (argparse.HelpFormatter, "_fill_text", argparse.HelpFormatter),
+    (argparse.HelpFormatter, "_get_help_string", argparse.HelpFormatter),
+    (argparse.HelpFormatter, "_format_action", argparse.HelpFormatter),
+])
+def test_overridden_private_methods_are_still_called(base: type, name: str, caller: Any):
+    """An override of a method its base renamed would silently never run: each one is still defined
+    by the base, and called where it was."""
+    assert callable(getattr(base, name, None)) and f".{name}(" in inspect.getsource(caller)
