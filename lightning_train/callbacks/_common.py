@@ -6,11 +6,13 @@ import lightning as L
 import torch
 from torch.distributed.tensor import DTensor
 
+from lightning_train._compat import batches_that_stepped
+
 
 def log_metrics(trainer: L.Trainer, metrics: dict[str, float]) -> None:
     """Send ``metrics`` to every logger at the step Lightning logs ``train/loss`` of this batch with
     (what its own LearningRateMonitor does), so the values share one row/step."""
-    step = trainer.fit_loop.epoch_loop._batches_that_stepped
+    step = batches_that_stepped(trainer)
     for logger in trainer.loggers:
         logger.log_metrics(metrics, step=step)
 

@@ -6,6 +6,8 @@ import sys
 
 from tqdm import tqdm
 
+from lightning_train._compat import open_tqdm_bars
+
 
 def print_line(text: str) -> None:
     """Print ``text`` (one or more lines) on stdout, on lines of its own.
@@ -20,5 +22,5 @@ def close_progress_bars() -> None:
     """End every open tqdm bar, leaving its last state on screen, so that what follows starts on a
     new line. Lightning closes its bars when training ends normally, but not when it ends by an
     exception (a preemption, Ctrl-C, an abort)."""
-    for bar in list(getattr(tqdm, "_instances", ())):
+    for bar in open_tqdm_bars():
         bar.close()

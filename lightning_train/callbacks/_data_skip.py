@@ -14,8 +14,9 @@ Two ways, the first that applies:
 from __future__ import annotations
 
 import lightning as L
-from lightning.pytorch.loops.fetchers import _DataLoaderIterDataFetcher
 from lightning.pytorch.utilities import rank_zero_warn
+
+from lightning_train._compat import data_fetcher, fetcher_hands_out_iterator
 
 
 def skip_train_batches(trainer: L.Trainer, num_batches: int) -> int:
@@ -35,8 +36,8 @@ def _draw_and_drop_batches(trainer: L.Trainer, num_batches: int) -> int:
     """The fallback for any DataLoader. Lightning's loop has no public way to pass over a batch, so this
     draws from its private data fetcher (``trainer.fit_loop._data_fetcher``, Lightning 2.5/2.6): the loop
     never sees the batches, and a StatefulDataLoader's saved position counts them as consumed."""
-    fetcher = trainer.fit_loop._data_fetcher
-    if isinstance(fetcher, _DataLoaderIterDataFetcher):
+    fetcher = data_fetcher(trainer)
+    if fetcher_hands_out_iterator(fetcher):
         rank_zero_warn("NaNRecovery cannot pass over batches when training_step draws them itself "
                        "(dataloader_iter); no batches were skipped after the rollback")
         return 0

@@ -28,9 +28,9 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
-from torch.amp.grad_scaler import OptState
 from torch.distributed.tensor import DTensor
 
+from lightning_train._compat import foreach_copy, foreach_norm, foreach_sub_, scaler_unscaled
 from lightning_train.callbacks._common import is_logging_step, local_tensor, log_metrics
 from lightning_train.errors import UserInputError
 
@@ -182,7 +182,7 @@ class GradNormMonitor(Callback):
                 continue
             local = [local_tensor(bucket_tensors[i]) for i in present]
             index = bucket.group_index if len(present) == len(bucket_tensors) else bucket.group_index[present]
-            norms = torch.stack(torch._foreach_norm(local, p)).float()
+            norms = torch.stack(foreach_norm(local, p)).float()
             if math.isinf(p):
                 partial = norms.new_zeros(n_groups).scatter_reduce_(0, index, norms, "amax")
                 torch.maximum(acc, partial.to(self._device), out=acc)
@@ -219,7 +219,7 @@ class GradNormMonitor(Callback):
             weights = [[local_tensor(p) for p in bucket.params] for bucket in self._buckets]
             self._pending["param"] = self._group_norms(weights)
             with torch.no_grad():  # the weights before the update (one fused copy per bucket; freed after)
-                self._pending["before"] = [torch._foreach_mul(bucket, 1.0) for bucket in weights]
+                self._pending["before"] = [foreach_copy(bucket) for bucket in weights]
 
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -231,7 +231,7 @@ class GradNormMonitor(Callback):
         if self.update_ratio:
             with torch.no_grad():
                 for before, bucket in zip(pending["before"], self._buckets, strict=True):
-                    torch._foreach_sub_(before, [local_tensor(p) for p in bucket.params])  # now -Δw
+                    foreach_sub_(before, [local_tensor(p) for p in bucket.params])  # now -Δw
             values.append(pending["param"][-1:])
             values.append(self._group_norms(pending["before"])[:-1] / pending["param"][:-1])
         clips = _clips_by_norm(trainer) and self.norm_type == 2.0
@@ -251,8 +251,7 @@ class GradNormMonitor(Callback):
         scaler = getattr(trainer.precision_plugin, "scaler", None)
         if self._warned_scaled or scaler is None or not scaler.is_enabled():
             return
-        state = scaler._per_optimizer_states.get(id(optimizer))  # GradScaler keeps no public flag
-        if state is None or state["stage"] is not OptState.UNSCALED:
+        if not scaler_unscaled(scaler, optimizer):
             rank_zero_warn(
                 "GradNormMonitor sees gradients still multiplied by the loss scale (the precision plugin "
                 "did not unscale them, e.g. Lightning's AMP plugin with a fused optimizer), so the logged "

@@ -26,6 +26,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.optim import Optimizer
 
+from lightning_train._compat import handles_amp_scaling
 from lightning_train.callbacks._common import is_logging_step, log_metrics
 from lightning_train.errors import UserInputError
 from lightning_train.loggers.alerts import send_alert
@@ -82,7 +83,7 @@ class LossScaleMonitor(Callback):
             )
             return
         step_control(trainer)  # holds the LR schedule over the steps the scaler skips
-        fused = any(getattr(opt, "_step_supports_amp_scaling", False) for opt in trainer.optimizers)
+        fused = any(handles_amp_scaling(opt) for opt in trainer.optimizers)
         if fused and not isinstance(trainer.precision_plugin, AmpPrecision):
             rank_zero_warn(
                 "LossScaleMonitor: with a fused optimizer, Lightning's MixedPrecision leaves gradients "

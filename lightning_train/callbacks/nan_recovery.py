@@ -43,6 +43,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
 from torch.optim import Optimizer
 
+from lightning_train._compat import found_inf_per_device, handles_amp_scaling
 from lightning_train.callbacks._common import is_logging_step, log_metrics
 from lightning_train.callbacks._data_skip import skip_train_batches
 from lightning_train.callbacks._snapshot import HostSnapshot
@@ -136,7 +137,7 @@ class NaNRecovery(Callback):
     # ---- Lightning hooks ------------------------------------------------------------------------
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         scaler = getattr(trainer.precision_plugin, "scaler", None)
-        fused = any(getattr(opt, "_step_supports_amp_scaling", False) for opt in trainer.optimizers)
+        fused = any(handles_amp_scaling(opt) for opt in trainer.optimizers)
         ours = isinstance(trainer.precision_plugin, AmpPrecision)
         if scaler is not None and scaler.is_enabled() and fused and not ours:
             raise UserInputError(
@@ -356,8 +357,7 @@ def _z_score(value: float, window: deque[float], min_window: int) -> float:
 def _found_inf(trainer: L.Trainer, optimizer: Optimizer, like: torch.Tensor) -> torch.Tensor:
     """1.0 if the GradScaler has already found inf/NaN in this step's (scaled) gradients, else 0.0."""
     scaler = getattr(trainer.precision_plugin, "scaler", None)
-    state = getattr(scaler, "_per_optimizer_states", {}).get(id(optimizer)) if scaler is not None else None
-    found = list(state["found_inf_per_device"].values()) if state else []
+    found = found_inf_per_device(scaler, optimizer) if scaler is not None else []
     if not found:
         return torch.zeros((), device=like.device)
     return (sum(t.to(like.device) for t in found) > 0).float()

@@ -37,6 +37,8 @@ import lightning as L
 from lightning.pytorch.callbacks import TQDMProgressBar
 from lightning.pytorch.callbacks.progress.tqdm_progress import Tqdm
 
+from lightning_train._compat import has_train_progress_bar
+
 TOKENS_PER_SEC = "perf/tokens_per_sec"
 TRAIN_LOSS = "train/loss"
 
@@ -108,7 +110,7 @@ class TokenProgressBar(TQDMProgressBar):
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.val_progress_bar.close()
         self.reset_dataloader_idx_tracker()
-        if self._train_progress_bar is not None and trainer.state.fn == "fit" and not trainer.sanity_checking:
+        if has_train_progress_bar(self) and trainer.state.fn == "fit" and not trainer.sanity_checking:
             last_step = 0 < trainer.max_steps <= trainer.global_step  # the closing draw shows them
             self._redraw(trainer, pl_module, refresh=not last_step)  # show the new validation metrics
 
@@ -116,7 +118,7 @@ class TokenProgressBar(TQDMProgressBar):
         self._finish(trainer, pl_module)
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, error: BaseException) -> None:
-        if self._train_progress_bar is not None:
+        if has_train_progress_bar(self):
             self.train_progress_bar.close()  # the error (or Ctrl-C) message starts on its own line
 
     def _finish(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

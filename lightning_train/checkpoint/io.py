@@ -18,9 +18,8 @@ from typing import IO, Any
 
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
-from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
-from lightning.fabric.utilities.types import _PATH
 
+from lightning_train._compat import PathLike, is_local_path
 from lightning_train.checkpoint.format import (
     FORMAT_KEY,
     FORMAT_VERSION,
@@ -50,9 +49,9 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         self._cleaned_dirs: set[Path] = set()
 
     def save_checkpoint(
-        self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None = None
+        self, checkpoint: dict[str, Any], path: PathLike, storage_options: Any | None = None
     ) -> None:
-        if storage_options is not None or not _is_local_file_protocol(path):
+        if storage_options is not None or not is_local_path(path):
             super().save_checkpoint(checkpoint, path, storage_options)
             return
         path = Path(path)
@@ -66,10 +65,10 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         torch.save(checkpoint, file)
 
     def load_checkpoint(
-        self, path: _PATH, map_location: Callable | None = lambda storage, loc: storage,
+        self, path: PathLike, map_location: Callable | None = lambda storage, loc: storage,
         weights_only: bool | None = None,
     ) -> dict[str, Any]:
-        if not _is_local_file_protocol(path):
+        if not is_local_path(path):
             return super().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
         path = Path(path)
         if not path.exists():
@@ -90,9 +89,9 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             if leftover.is_file():
                 leftover.unlink(missing_ok=True)
 
-    def remove_checkpoint(self, path: _PATH) -> None:
+    def remove_checkpoint(self, path: PathLike) -> None:
         super().remove_checkpoint(path)
-        if _is_local_file_protocol(path):
+        if is_local_path(path):
             manifest = Path(str(path) + MANIFEST_SUFFIX)
             if manifest.exists():
                 manifest.unlink()

@@ -23,17 +23,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from lightning.fabric.utilities.load import _METADATA_FILENAME
 from torch import nn
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata
 
+from lightning_train._compat import METADATA_FILENAME, TORCH_LAYOUT_GLOBAL
 from lightning_train.checkpoint.format import atomic_checkpoint_dir, load_torch_file, verify_checkpoint
 from lightning_train.errors import UserInputError
 
 _DCP_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
 _PLAIN_GLOBALS = {
-    ("torch", "Size"), ("torch.serialization", "_get_layout"),  # a layout from its name
+    ("torch", "Size"), TORCH_LAYOUT_GLOBAL,  # a layout from its name
     ("pathlib", "Path"), ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"),
 }
 
@@ -99,7 +99,7 @@ def _load(state: dict[str, Any], path: str | Path) -> None:
 
 
 def is_sharded_checkpoint(path: str | Path) -> bool:
-    return Path(path).is_dir() and (Path(path) / _METADATA_FILENAME).is_file()
+    return Path(path).is_dir() and (Path(path) / METADATA_FILENAME).is_file()
 
 
 def checkpoint_tensor_shapes(path: str | Path, section: str = "state_dict") -> dict[str, tuple[int, ...]]:
@@ -152,7 +152,7 @@ def load_sharded_model_state(
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
     if not is_sharded_checkpoint(path):
-        raise UserInputError(f"{path} is not a sharded checkpoint folder (it has no {_METADATA_FILENAME})")
+        raise UserInputError(f"{path} is not a sharded checkpoint folder (it has no {METADATA_FILENAME})")
     own = get_model_state_dict(model)
     saved = check_compatible(
         path, {prefix + key: tuple(value.shape) for key, value in own.items()}, strict=False
@@ -187,7 +187,7 @@ def save_sharded_checkpoint(
         barrier()  # the writer has cleared the staging folder before anyone writes into it
         save(state, checkpoint_id=str(staging))  # collective: returns when every rank's shard is written
         if is_writer:
-            torch.save(checkpoint, staging / _METADATA_FILENAME)
+            torch.save(checkpoint, staging / METADATA_FILENAME)
     barrier()
 
 
@@ -240,9 +240,9 @@ def read_metadata(path: str | Path, weights_only: bool = True) -> dict[str, Any]
     """``meta.pt`` of a sharded checkpoint, loaded safely: ``weights_only`` (the default) accepts plain
     containers, tensors and ``format.safe_globals()`` only, so nothing in the file can run code;
     ``weights_only=False`` is for files the caller trusts."""
-    file = Path(path) / _METADATA_FILENAME
+    file = Path(path) / METADATA_FILENAME
     if not file.is_file():
-        raise UserInputError(f"sharded checkpoint {path} has no {_METADATA_FILENAME}: it is incomplete")
+        raise UserInputError(f"sharded checkpoint {path} has no {METADATA_FILENAME}: it is incomplete")
     if not weights_only:
         return torch.load(file, map_location="cpu", weights_only=False)
     return load_torch_file(file)

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import re
 import sys
-from argparse import Action, _SubParsersAction
+from argparse import Action
 from collections.abc import Callable
 from typing import Any
 
 from jsonargparse import ActionConfigFile, ArgumentParser, DefaultHelpFormatter
 from lightning.pytorch.cli import LightningArgumentParser
+
+from lightning_train._compat import subcommand_actions
 
 PROG = "python -m lightning_train"
 # Subcommands that are plain functions rather than Trainer methods, each in lightning_train/cli/<name>.py,
@@ -38,8 +40,9 @@ class HelpFormatter(DefaultHelpFormatter):
         return _plain(super()._get_help_string(action))
 
     def _format_action(self, action: Action) -> str:
-        if isinstance(action, _SubParsersAction):  # the subcommands one a line, without a header line
-            return "".join(self._format_action(choice) for choice in action._get_subactions())
+        subactions = subcommand_actions(action)
+        if subactions is not None:  # the subcommands one a line, without a header line
+            return "".join(self._format_action(choice) for choice in subactions)
         return super()._format_action(action)
 
     def start_section(self, heading: str | None) -> None:

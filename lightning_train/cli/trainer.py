@@ -24,6 +24,7 @@ from lightning.pytorch.plugins.environments import ClusterEnvironment, SLURMEnvi
 from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
+from lightning_train._compat import cli_config_value, subcommand_parser
 from lightning_train.callbacks import PreemptionCheckpoint, RNGStateKeeper, RunSummary, TokenProgressBar
 from lightning_train.checkpoint import (
     AtomicCheckpointIO,
@@ -67,13 +68,10 @@ class LightningTrainCLI(LightningCLI):
 
     def _add_subcommands(self, parser: LightningArgumentParser, **kwargs: Any) -> None:
         """Lightning's, with a whole line of help for each subcommand."""
-        self._subcommand_parsers: dict[str, LightningArgumentParser] = {}
         subcommands = parser.add_subcommands(title="subcommands", description=None, metavar="SUBCOMMAND")
         for name in self.subcommands():
             options = {"prog": f"{PROG} {name}", "description": SUBCOMMANDS[name], **kwargs.get(name, {})}
-            subparser = self._prepare_subcommand_parser(self.trainer_class, name, **options)
-            self._subcommand_parsers[name] = subparser
-            subcommands.add_subcommand(name, subparser, help=SUBCOMMANDS[name])
+            subcommands.add_subcommand(name, subcommand_parser(self, name, **options), help=SUBCOMMANDS[name])
 
     def _parse_ckpt_path(self) -> None:
         """Lightning's (it reads ``--ckpt_path``'s hyper-parameters with torch.load), after checking the
@@ -92,7 +90,7 @@ class LightningTrainCLI(LightningCLI):
             raise _user_error(error) from error
 
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
-        trainer_config = self._get(self.config_init, "trainer", default={})
+        trainer_config = cli_config_value(self, self.config_init, "trainer", default={})
         check_trainer_arguments(trainer_config)
         defaults = _run_defaults(trainer_config, self.subcommand, self.command)
         try:

@@ -48,6 +48,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
+from lightning_train._compat import restate_epoch_batches
 from lightning_train.errors import UserInputError
 
 
@@ -328,10 +329,7 @@ class ResumableDataModule(L.LightningDataModule):
         """Lightning ends an epoch when its count of the epoch's batches reaches ``len(loader)``. A run
         resumed at another global batch restores that count in batches of the old size, so the epoch would
         end too early (samples left out) or too late: restate it in batches of this size."""
-        progress = self.trainer.fit_loop.epoch_loop.batch_progress.current
-        shift = batches_done - progress.ready
-        for counter in ("ready", "started", "processed", "completed"):
-            setattr(progress, counter, getattr(progress, counter) + shift)
+        restate_epoch_batches(self.trainer, batches_done)
 
     def _worker_kwargs(self) -> dict[str, Any]:
         workers = {"persistent_workers": True, "prefetch_factor": 4} if self.num_workers > 0 else {}

@@ -33,11 +33,20 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
-from lightning.fabric.utilities.logger import _add_prefix
 from lightning.pytorch.loggers import WandbLogger as LightningWandbLogger
 from lightning.pytorch.loggers.logger import DummyExperiment
 from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
 
+from lightning_train._compat import (
+    add_prefix,
+    attached_trainer,
+    cache_experiment,
+    cached_experiment,
+    logger_prefix,
+    wandb_init_kwargs,
+    wandb_name_or_project,
+    wandb_offline,
+)
 from lightning_train.loggers.dashboard import NAMESPACES, STEP_METRIC, SUMMARIES
 
 REDACTED = "<redacted>"
@@ -108,11 +117,11 @@ class WandbLogger(LightningWandbLogger):
     @property
     def experiment(self) -> Any:
         """The W&B run (a no-op stand-in on ranks that do not write, or when W&B cannot start)."""
-        if self._experiment is None:
+        if cached_experiment(self) is None:
             if not self._writes_here():
                 return DummyExperiment()
-            self._experiment = self._start_run()
-        return self._experiment
+            cache_experiment(self, self._start_run())
+        return cached_experiment(self)
 
     def _writes_here(self) -> bool:
         return self._log_all_ranks or rank_zero_only.rank == 0
@@ -125,7 +134,7 @@ class WandbLogger(LightningWandbLogger):
             self._define_dashboard(wandb.run)
             return wandb.run
         # unset options (YAML nulls included) keep W&B's defaults
-        init = {key: value for key, value in self._wandb_init.items() if value is not None}
+        init = {key: value for key, value in wandb_init_kwargs(self).items() if value is not None}
         os.makedirs(init.setdefault("dir", "."), exist_ok=True)
         init["dir"] = os.path.abspath(init["dir"])
         if init.get("config") is not None:
@@ -135,7 +144,7 @@ class WandbLogger(LightningWandbLogger):
             rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else rank_zero_only.rank
             init["name"] = f"{init.get('name') or init['group']}-rank{rank}"
         init["settings"] = {"init_timeout": self._init_timeout, **(init.get("settings") or {})}
-        requested = "offline" if self._offline else init.pop("mode", None)  # None: W&B's (WANDB_MODE)
+        requested = "offline" if wandb_offline(self) else init.pop("mode", None)  # None: W&B's (WANDB_MODE)
         init.pop("mode", None)
         modes = list(dict.fromkeys([requested, "offline", "disabled"]))  # in order, without repeats
         for mode, fallback in zip(modes, modes[1:] + [None], strict=True):
@@ -157,7 +166,7 @@ class WandbLogger(LightningWandbLogger):
         if job == "none":  # plain Lightning launcher: the rendezvous address is shared by all ranks
             address = os.environ.get("MASTER_ADDR", socket.gethostname())
             job = f"{address}-{os.environ.get('MASTER_PORT', '0')}"
-        return f"{self._name or self._project}-{job}"
+        return f"{wandb_name_or_project(self)}-{job}"
 
     @staticmethod
     def _define_dashboard(run: Any) -> None:
@@ -173,7 +182,7 @@ class WandbLogger(LightningWandbLogger):
         self._guard(lambda run: run.config.update(redact_secrets(_plain(params)), allow_val_change=True))
 
     def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
-        metrics = _add_prefix(metrics, self._prefix, self.LOGGER_JOIN_CHAR)
+        metrics = add_prefix(metrics, logger_prefix(self), self.LOGGER_JOIN_CHAR)
         row = dict(metrics) if step is None else {**metrics, STEP_METRIC: step}
         self._guard(lambda run: run.log(row))
 
@@ -196,7 +205,7 @@ class WandbLogger(LightningWandbLogger):
         self._guard(alert)
 
     def _describe_run(self, run: Any, model: Any) -> None:
-        trainer = getattr(model, "_trainer", None)
+        trainer = attached_trainer(model)
         tags = {_TAGS_BY_MODULE[c.__name__] for c in type(model).__mro__ if c.__name__ in _TAGS_BY_MODULE}
         if tags - set(run.tags or ()):
             run.tags = tuple(run.tags or ()) + tuple(sorted(tags - set(run.tags or ())))

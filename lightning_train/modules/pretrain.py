@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 from torchmetrics import MeanMetric
 
+from lightning_train._compat import attached_trainer
 from lightning_train.callbacks._common import is_logging_step
 from lightning_train.errors import UserInputError
 from lightning_train.models.float8 import check_float8_device, convert_to_float8
@@ -131,7 +132,7 @@ class PretrainModule(L.LightningModule):
                 "to the tokenizer's vocabulary size, or fit with a TextDataModule or SFTDataModule"
             )
         model = self.prepare_model(self.build_model())
-        device = self.trainer.strategy.root_device if self._trainer else torch.device("cpu")
+        device = self.trainer.strategy.root_device if attached_trainer(self) else torch.device("cpu")
         if device.type == "cuda":
             torch.set_float32_matmul_precision("high")  # TF32 for the fp32 matmuls autocast leaves
         if self.hparams.float8:
@@ -142,7 +143,7 @@ class PretrainModule(L.LightningModule):
         self.model = model
 
     def setup(self, stage: str) -> None:
-        datamodule = getattr(self.trainer, "datamodule", None) if self._trainer else None
+        datamodule = getattr(self.trainer, "datamodule", None) if attached_trainer(self) else None
         if datamodule is not None and isinstance(self.config, GPTConfig):
             self._fit_config_to(datamodule)
         self.configure_model()  # so the model exists outside a Trainer too, e.g. in tests

@@ -32,6 +32,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from torch.optim import LBFGS, Optimizer
 
+from lightning_train._compat import after_closure, found_inf_per_device, loss_scale_async
 from lightning_train.errors import UserInputError
 from lightning_train.plugins.step_control import StepControl, step_control
 
@@ -82,15 +83,15 @@ class AmpPrecision(MixedPrecision):
             raise UserInputError("AmpPrecision: 16-mixed loss scaling does not work with LBFGS; use 32-true")
         closure_result = closure()
         if closure_result is None and model.automatic_optimization:  # training_step returned None
-            self._after_closure(model, optimizer)
+            after_closure(self, model, optimizer)
             return None
         self.scaler.unscale_(optimizer)  # before the hooks, fused optimizers included
-        self._after_closure(model, optimizer)  # on_before_optimizer_step callbacks, then clipping
+        after_closure(self, model, optimizer)  # on_before_optimizer_step callbacks, then clipping
         if self.step_control.skipped(optimizer):
             # Skipped by a callback (NaNRecovery): the scaler stays exactly as it was (scale, growth tracker).
-            self.scaler.update(self.scaler._get_scale_async())
+            self.scaler.update(loss_scale_async(self.scaler))
             return None
-        found_inf = sum(self.scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values())
+        found_inf = sum(found_inf_per_device(self.scaler, optimizer))
         if found_inf.item():  # the one host read; FSDP2's DTensor grads reduce found_inf over the mesh
             self.step_control.skip(optimizer)
             self.scaler.update()  # backs the scale off
@@ -124,4 +125,4 @@ def loss_scale_tensor(trainer: L.Trainer) -> torch.Tensor | None:
     scaler = getattr(trainer.precision_plugin, "scaler", None)
     if scaler is None or not scaler.is_enabled():
         return None
-    return scaler._get_scale_async()  # GradScaler has no public sync-free accessor
+    return loss_scale_async(scaler)  # GradScaler has no public sync-free accessor

@@ -25,14 +25,19 @@ from typing import Any, Literal
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.optimizer import _optimizers_to_device
-from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.strategies import ModelParallelStrategy, Strategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
+from lightning_train._compat import (
+    PathLike,
+    optimizers_to_device,
+    set_device_mesh,
+    setup_distributed,
+    sync_module_states,
+)
 from lightning_train.checkpoint.sharded import (
     is_sharded_checkpoint,
     load_sharded_checkpoint,
@@ -141,12 +146,11 @@ class DataParallelStrategy(ModelParallelStrategy):
 
     def setup_environment(self) -> None:
         Strategy.setup_environment(self)  # accelerator setup; skips ModelParallelStrategy's 2-D (dp, tp) mesh
-        self._setup_distributed()
+        setup_distributed(self)
         atexit.register(leave_process_group)
-        self._device_mesh = build_mesh(
-            self.root_device.type, self.num_nodes, self.num_processes, self.replicate_size
+        set_device_mesh(
+            self, build_mesh(self.root_device.type, self.num_nodes, self.num_processes, self.replicate_size)
         )
-        self.lightning_module._device_mesh = self._device_mesh
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
@@ -181,15 +185,13 @@ class DataParallelStrategy(ModelParallelStrategy):
         if self.sharding == "ddp" and fitting:
             self.model = self._wrap_ddp(module)
         elif self.sharding == "ddp":
-            from lightning.fabric.utilities.distributed import _sync_module_states
-
-            _sync_module_states(module)
+            sync_module_states(module)
         self.barrier()
         if fitting:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         if fitting and not self.cpu_offload:
-            _optimizers_to_device(self.optimizers, self.root_device)
+            optimizers_to_device(self.optimizers, self.root_device)
 
     @property
     def _precision_name(self) -> str:
@@ -254,7 +256,7 @@ class DataParallelStrategy(ModelParallelStrategy):
         return super().optimizer_state(optimizer)
 
     def save_checkpoint(
-        self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None
+        self, checkpoint: dict[str, Any], filepath: PathLike, storage_options: Any | None = None
     ) -> None:
         if self.sharding == "ddp":  # one ordinary file from rank 0, through the Trainer's CheckpointIO
             Strategy.save_checkpoint(self, checkpoint, filepath, storage_options)
@@ -267,7 +269,7 @@ class DataParallelStrategy(ModelParallelStrategy):
         path = Path(self.broadcast(str(path)))
         save_sharded_checkpoint(checkpoint, path, is_writer=self.global_rank == 0, barrier=self.barrier)
 
-    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+    def load_checkpoint(self, checkpoint_path: PathLike, weights_only: bool | None = None) -> dict[str, Any]:
         path = Path(self.broadcast(str(checkpoint_path)))
         if is_sharded_checkpoint(path):
             metadata = self.load_sharded_checkpoint(path, weights_only)

@@ -16,6 +16,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.nn.parallel import DistributedDataParallel
 
+from lightning_train._compat import checkpoint_activations, ddp_comm_hook_name
 from lightning_train.errors import UserInputError
 
 CommHook = Literal["fp16_compress", "bf16_compress", "powersgd"]
@@ -73,10 +74,8 @@ def transformer_blocks(model: nn.Module) -> tuple[nn.Module, list[nn.Module]]:
 def apply_activation_checkpointing(model: nn.Module) -> None:
     """Recompute each block's activations in backward instead of keeping them (same gradients, less
     memory, ~1/3 more compute). The composable API keeps parameter names (and checkpoints) unchanged."""
-    from torch.distributed._composable import checkpoint
-
     for block in transformer_blocks(model)[1]:
-        checkpoint(block)
+        checkpoint_activations(block)
 
 
 def apply_fsdp(
@@ -132,7 +131,7 @@ def register_comm_hook(model: DistributedDataParallel, preset: CommHook, backend
             "all-reduced uncompressed. Use it on GPUs with NCCL, or pick another preset"
         )
         return None
-    registered = model._get_ddp_logging_data().get("comm_hook")
+    registered = ddp_comm_hook_name(model)
     rank_zero_info(
         f"DataParallelStrategy: DDP comm hook {preset!r} registered (torch: comm_hook={registered})"
     )

@@ -1,0 +1,268 @@
+"""Every use of a private name of torch, Lightning, tqdm or argparse, in one place.
+
+Private names change without notice, so each one is reached only through a small function here, with a
+test of its own in ``tests/test_compat.py``: a dependency upgrade that breaks one fails a named test
+instead of a training run. Each docstring names the private API, the versions it was checked on, and the
+public alternative where one exists. Checked on torch 2.13, Lightning 2.6, tqdm 4.70 and Python 3.11
+unless a docstring says otherwise.
+
+Overrides of private methods that stay in their classes (a subclass can only override them there):
+
+* ``LightningTrainCLI._add_subcommands`` and ``._parse_ckpt_path`` (``lightning.pytorch.cli.LightningCLI``),
+  in ``cli/trainer.py``: a whole line of help per subcommand; checking ``--ckpt_path`` before Lightning
+  unpickles its hyper-parameters.
+* ``DataParallelStrategy._configure_launcher`` (``ModelParallelStrategy``), in
+  ``strategies/data_parallel.py``: checking ``replicate_size`` before any process starts.
+* ``HelpFormatter._fill_text``, ``._get_help_string`` and ``._format_action`` (``argparse.HelpFormatter``
+  through jsonargparse's ``DefaultHelpFormatter``), in ``cli/_parsers.py``: argparse's only way to
+  format help text.
+
+``tests/test_compat.py`` checks that each of these methods is still defined and called by its base.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, TypeAlias
+
+import lightning as L
+import torch
+from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
+from lightning.fabric.utilities.load import _METADATA_FILENAME
+from lightning.fabric.utilities.logger import _add_prefix
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.pytorch.loops.fetchers import _DataLoaderIterDataFetcher
+from torch import nn
+from torch.amp.grad_scaler import OptState
+from tqdm import tqdm
+
+# A file path as Lightning's signatures take it (Lightning's private
+# ``lightning.fabric.utilities.types._PATH``).
+PathLike: TypeAlias = str | Path
+
+# The file a Lightning sharded checkpoint folder keeps its non-tensor state in ("meta.pt"; Lightning's
+# private ``lightning.fabric.utilities.load._METADATA_FILENAME``, which its loaders look for).
+METADATA_FILENAME: str = _METADATA_FILENAME
+
+# What a pickled ``torch.layout`` calls to rebuild itself (torch registers ``torch.serialization._get_layout``
+# with copyreg; torch 2.5-2.13), for the restricted unpickler of sharded checkpoints.
+TORCH_LAYOUT_GLOBAL = ("torch.serialization", "_get_layout")
+
+
+# ---- torch: GradScaler and optimizers ---------------------------------------------------------------------
+def loss_scale_async(scaler: torch.amp.GradScaler) -> torch.Tensor | None:
+    """The scale as a device tensor without a host sync (``GradScaler._get_scale_async``, torch 2.5-2.13;
+    the public ``get_scale()`` returns a float, a sync); None before the first ``scale()``."""
+    return scaler._get_scale_async()
+
+
+def found_inf_per_device(
+    scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer
+) -> list[torch.Tensor]:
+    """The 0/1 found-inf tensors ``unscale_`` left for ``optimizer``, one per device, [] before it
+    (``GradScaler._per_optimizer_states[id(opt)]["found_inf_per_device"]``, torch 2.5-2.13; no public one)."""
+    state = getattr(scaler, "_per_optimizer_states", {}).get(id(optimizer))
+    return list(state["found_inf_per_device"].values()) if state else []
+
+
+def scaler_unscaled(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``unscale_`` has run for ``optimizer`` this step (``GradScaler._per_optimizer_states[...]
+    ["stage"]``, torch 2.5-2.13; no public flag)."""
+    state = scaler._per_optimizer_states.get(id(optimizer))
+    return state is not None and state["stage"] is OptState.UNSCALED
+
+
+def handles_amp_scaling(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether the optimizer's ``step`` unscales by itself, as fused AdamW does (``Optimizer.
+    _step_supports_amp_scaling``, torch 2.5-2.13; no public one)."""
+    return getattr(optimizer, "_step_supports_amp_scaling", False)
+
+
+def foreach_norm(tensors: Sequence[torch.Tensor], ord: float) -> tuple[torch.Tensor, ...]:
+    """The ``ord``-norm of each tensor in one fused kernel (``torch._foreach_norm``, torch 2.5-2.13;
+    public alternative, one kernel per tensor: ``torch.linalg.vector_norm``)."""
+    return torch._foreach_norm(tensors, ord)
+
+
+def foreach_copy(tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """New copies of ``tensors`` in one fused kernel (``torch._foreach_mul(tensors, 1.0)``, torch 2.5-2.13;
+    public alternative, one kernel per tensor: ``tensor.clone()``)."""
+    return torch._foreach_mul(tensors, 1.0)
+
+
+def foreach_sub_(tensors: Sequence[torch.Tensor], others: Sequence[torch.Tensor]) -> None:
+    """``tensors[i] -= others[i]`` in place, fused (``torch._foreach_sub_``, torch 2.5-2.13; public
+    alternative, one kernel per tensor: ``tensor.sub_(other)``)."""
+    torch._foreach_sub_(tensors, others)
+
+
+# ---- torch.distributed -------------------------------------------------------------------------------------
+def checkpoint_activations(module: nn.Module) -> None:
+    """Recompute ``module``'s activations in backward, keeping its parameter names (torch's composable
+    ``torch.distributed._composable.checkpoint``, torch 2.5-2.13; ``torch.utils.checkpoint`` needs a
+    wrapper module, which renames the parameters)."""
+    from torch.distributed._composable import checkpoint
+
+    checkpoint(module)
+
+
+def ddp_comm_hook_name(model: nn.parallel.DistributedDataParallel) -> str | None:
+    """The communication hook's name as torch records it (``DistributedDataParallel.
+    _get_ddp_logging_data()["comm_hook"]``, torch 2.5-2.13; no public one)."""
+    return model._get_ddp_logging_data().get("comm_hook")
+
+
+# ---- Lightning: Trainer and loops -------------------------------------------------------------------------
+def batches_that_stepped(trainer: L.Trainer) -> int:
+    """The step Lightning logs metrics at (``fit_loop.epoch_loop._batches_that_stepped``, Lightning 2.5-2.6;
+    ``trainer.global_step`` is the public count, but it counts each optimizer of a step)."""
+    return trainer.fit_loop.epoch_loop._batches_that_stepped
+
+
+def data_fetcher(trainer: L.Trainer) -> Any:
+    """The fit loop's iterator over the training batches, None outside an epoch (``trainer.fit_loop.
+    _data_fetcher``, Lightning 2.5-2.6; no public one)."""
+    return trainer.fit_loop._data_fetcher
+
+
+def fetcher_hands_out_iterator(fetcher: Any) -> bool:
+    """Whether ``training_step`` draws the batches itself (``dataloader_iter``: Lightning's private
+    ``lightning.pytorch.loops.fetchers._DataLoaderIterDataFetcher``, Lightning 2.5-2.6)."""
+    return isinstance(fetcher, _DataLoaderIterDataFetcher)
+
+
+def restate_epoch_batches(trainer: L.Trainer, batches_done: int) -> None:
+    """Set the fit loop's count of this epoch's batches to ``batches_done`` (writes Lightning's loop
+    progress ``fit_loop.epoch_loop.batch_progress.current``, Lightning 2.5-2.6; no public setter)."""
+    progress = trainer.fit_loop.epoch_loop.batch_progress.current
+    shift = batches_done - progress.ready
+    for counter in ("ready", "started", "processed", "completed"):
+        setattr(progress, counter, getattr(progress, counter) + shift)
+
+
+def attached_trainer(module: Any) -> L.Trainer | None:
+    """The Trainer a LightningModule is attached to, None when it has none or ``module`` is no
+    LightningModule (``LightningModule._trainer``, Lightning 2.5-2.6; the public ``module.trainer`` raises
+    when there is none)."""
+    return getattr(module, "_trainer", None)
+
+
+def after_closure(plugin: Any, model: L.LightningModule, optimizer: torch.optim.Optimizer) -> None:
+    """Run ``on_before_optimizer_step`` hooks, then gradient clipping, as Lightning does after the closure
+    (``Precision._after_closure``, Lightning 2.5-2.6; no public one)."""
+    plugin._after_closure(model, optimizer)
+
+
+def has_train_progress_bar(bar: Any) -> bool:
+    """Whether a ``TQDMProgressBar`` has made its training bar yet (``TQDMProgressBar._train_progress_bar``,
+    Lightning 2.5-2.6; the public ``train_progress_bar`` raises before)."""
+    return bar._train_progress_bar is not None
+
+
+# ---- Lightning: strategies -----------------------------------------------------------------------------
+def setup_distributed(strategy: Any) -> None:
+    """Start the process group (``ModelParallelStrategy._setup_distributed``, Lightning 2.5-2.6; its public
+    ``setup_environment`` also builds a 2-D (data, tensor) mesh)."""
+    strategy._setup_distributed()
+
+
+def set_device_mesh(strategy: Any, mesh: Any) -> None:
+    """Make ``mesh`` the strategy's and its LightningModule's ``device_mesh`` (``ModelParallelStrategy.
+    _device_mesh``, ``LightningModule._device_mesh``, Lightning 2.5-2.6; both are read-only properties)."""
+    strategy._device_mesh = mesh
+    strategy.lightning_module._device_mesh = mesh
+
+
+def optimizers_to_device(optimizers: Iterable[torch.optim.Optimizer], device: torch.device) -> None:
+    """Move the optimizers' states to ``device`` (``lightning.fabric.utilities.optimizer.
+    _optimizers_to_device``, Lightning 2.5-2.6; no public one)."""
+    _optimizers_to_device(optimizers, device)
+
+
+def sync_module_states(module: nn.Module) -> None:
+    """Broadcast rank 0's parameters and buffers to every rank (``lightning.pytorch.overrides.distributed.
+    _sync_module_states``, Lightning 2.5-2.6; DDP does this itself when it wraps a module)."""
+    from lightning.pytorch.overrides.distributed import _sync_module_states
+
+    _sync_module_states(module)
+
+
+# ---- Lightning: checkpoints and loggers ------------------------------------------------------------------
+def is_local_path(path: PathLike) -> bool:
+    """Whether ``path`` is on the local file system, not a remote URL such as ``s3://`` (``lightning.fabric.
+    utilities.cloud_io._is_local_file_protocol``, Lightning 2.5-2.6; no public one)."""
+    return _is_local_file_protocol(path)
+
+
+def add_prefix(metrics: Mapping[str, Any], prefix: str, separator: str) -> Mapping[str, Any]:
+    """``metrics`` with ``prefix + separator`` before each name, as Lightning's loggers do
+    (``lightning.fabric.utilities.logger._add_prefix``, Lightning 2.5-2.6)."""
+    return _add_prefix(metrics, prefix, separator)
+
+
+def logger_prefix(logger: Any) -> str:
+    """The ``prefix`` a Lightning logger was made with (``WandbLogger._prefix``, Lightning 2.5-2.6)."""
+    return logger._prefix
+
+
+def wandb_init_kwargs(logger: Any) -> dict[str, Any]:
+    """The ``wandb.init`` arguments a Lightning ``WandbLogger`` collected (``WandbLogger._wandb_init``,
+    Lightning 2.5-2.6)."""
+    return logger._wandb_init
+
+
+def wandb_offline(logger: Any) -> bool:
+    """The ``offline`` flag of a Lightning ``WandbLogger`` (``WandbLogger._offline``, Lightning 2.5-2.6)."""
+    return logger._offline
+
+
+def wandb_name_or_project(logger: Any) -> str | None:
+    """The run name a Lightning ``WandbLogger`` was given, else its project (``WandbLogger._name``,
+    ``._project``, Lightning 2.5-2.6; the public ``name`` is always the project)."""
+    return logger._name or logger._project
+
+
+def cached_experiment(logger: Any) -> Any:
+    """The W&B run a Lightning ``WandbLogger`` holds, None before it started one (``WandbLogger._experiment``,
+    Lightning 2.5-2.6; the public ``experiment`` starts one)."""
+    return logger._experiment
+
+
+def cache_experiment(logger: Any, run: Any) -> None:
+    """Make ``run`` the W&B run a Lightning ``WandbLogger`` holds (``WandbLogger._experiment``,
+    Lightning 2.5-2.6)."""
+    logger._experiment = run
+
+
+# ---- Lightning: LightningCLI ----------------------------------------------------------------------------
+def cli_config_value(cli: Any, config: Any, key: str, default: Any = None) -> Any:
+    """``config``'s value for ``key`` under the running subcommand (``LightningCLI._get``,
+    Lightning 2.5-2.6)."""
+    return cli._get(config, key, default=default)
+
+
+def subcommand_parser(cli: Any, name: str, **options: Any) -> Any:
+    """A subcommand's parser, made and recorded where LightningCLI reads it after parsing, as its
+    ``_add_subcommands`` does (``LightningCLI._prepare_subcommand_parser``, ``._subcommand_parsers``,
+    Lightning 2.5-2.6)."""
+    parser = cli._prepare_subcommand_parser(cli.trainer_class, name, **options)
+    if not hasattr(cli, "_subcommand_parsers"):
+        cli._subcommand_parsers = {}
+    cli._subcommand_parsers[name] = parser
+    return parser
+
+
+# ---- tqdm and argparse ------------------------------------------------------------------------------------
+def open_tqdm_bars() -> list[tqdm]:
+    """Every tqdm bar not yet closed (``tqdm._instances``, tqdm 4.66-4.70; no public one)."""
+    return list(getattr(tqdm, "_instances", ()))
+
+
+def subcommand_actions(action: argparse.Action) -> list[argparse.Action] | None:
+    """The per-subcommand actions of a subparsers action, None for any other action (``argparse.
+    _SubParsersAction._get_subactions``, Python 3.10-3.13; no public one)."""
+    if isinstance(action, argparse._SubParsersAction):
+        return action._get_subactions()
+    return None
