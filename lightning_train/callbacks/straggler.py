@@ -1,11 +1,11 @@
 """StragglerMonitor: which rank holds the others back, and by how much.
 
-In data-parallel training every optimizer step waits for the slowest rank, so one throttled GPU or
-slow data loader sets the pace of the whole job, and the wall-clock step time is the same on every
-rank. What differs is each rank's own work: the time from the end of its previous optimizer step to
-the start of its backward pass (loading the batch and the forward pass; in DDP no collective runs
-there, so no rank waits for another inside it). Each rank sums that time over a logging interval
-(``time.monotonic`` on CPU, CUDA events on GPUs: no host sync in the step); on logging steps one
+In data-parallel training every optimizer step waits for the slowest rank, so one throttled GPU sets
+the pace of the whole job, and the wall-clock step time is the same on every rank: the fast ones
+spend the difference waiting in collectives. What differs is each rank's own compute, so that is
+what is timed: the forward pass of the model (``pl_module.model`` where the LightningModule has one,
+else the LightningModule), in which DDP runs no collective. Each rank sums that time over a logging
+interval (``time.monotonic`` on CPU, CUDA events on GPUs: no host sync in the step); on logging steps one
 all-gather of one number per rank gives ``perf/straggler_ratio`` (slowest / median) and
 ``perf/slowest_rank``. When the ratio stays above ``threshold`` for ``patience`` logging steps in a
 row, an alert is raised (``alerts.jsonl``, and a W&B alert with the W&B logger).
@@ -49,7 +49,8 @@ class StragglerMonitor(Callback):
         log_every_n_steps: optimizer steps between measurements; None: the Trainer's.
 
     Under FSDP the forward pass gathers parameters, so fast ranks wait there too and the ratio
-    understates a straggler. The streak of straggling logging steps is checkpointed.
+    understates a straggler; a rank slow only at loading data is not seen (its peers wait for it
+    outside any forward pass). The streak of straggling logging steps is checkpointed.
     """
 
     def __init__(self, threshold: float = 1.5, patience: int = 3,
@@ -66,33 +67,41 @@ class StragglerMonitor(Callback):
         self.last_ratio: float | None = None
         self._timer: _WorkTimer | None = None
         self._measured_step = -1
+        self._hooks: list[torch.utils.hooks.RemovableHandle] = []
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._timer = _WorkTimer(trainer.strategy.root_device)
-        self._timer.start()  # the first batch's loading counts
-
-    def on_before_backward(self, trainer: L.Trainer, pl_module: L.LightningModule,
-                           loss: torch.Tensor) -> None:
-        if self._timer is not None:
-            self._timer.stop()
+        model = getattr(pl_module, "model", None)
+        timed = model if isinstance(model, torch.nn.Module) else pl_module
+        self._hooks = [timed.register_forward_pre_hook(self._timer.start_hook),
+                       timed.register_forward_hook(self._timer.stop_hook)]
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        if self._timer is None:
-            return
         step_done = trainer.global_step != self._measured_step  # not a gradient accumulation micro-batch
-        if step_done and is_logging_step(trainer, self.log_every_n_steps) and self._timer.intervals:
+        if self._timer is not None and step_done and is_logging_step(trainer, self.log_every_n_steps) \
+                and self._timer.intervals:
             self._measured_step = trainer.global_step
             self._measure(trainer)
-        self._timer.start()
 
     def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self._timer is not None:
-            self._timer.cancel()  # validation is no training work
+            self._timer.paused = True  # validation's forward passes are no training work
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if self._timer is not None and not trainer.sanity_checking:
-            self._timer.start()
+        if self._timer is not None:
+            self._timer.paused = False
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._remove_hooks()
+
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, error: BaseException) -> None:
+        self._remove_hooks()
+
+    def _remove_hooks(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
 
     def _measure(self, trainer: L.Trainer) -> None:
         assert self._timer is not None
@@ -111,9 +120,9 @@ class StragglerMonitor(Callback):
         if self.streak >= self.patience and not self.alerted:
             self.alerted = True
             send_alert(trainer, "Straggler rank",
-                       f"rank {slowest} took {ratio:.2f}× the median rank's time for data and forward pass "
+                       f"rank {slowest} took {ratio:.2f}× the median rank's time for the forward pass "
                        f"({times[slowest]:.3g} s against {median:.3g} s over the last interval) for "
-                       f"{self.streak} logging steps in a row; check that rank's device and data loading",
+                       f"{self.streak} logging steps in a row; check that rank's device and host",
                        level="WARN")
 
     def state_dict(self) -> dict[str, Any]:
@@ -124,20 +133,26 @@ class StragglerMonitor(Callback):
 
 
 class _WorkTimer:
-    """Sums start→stop intervals: host clock on CPU; CUDA events on GPUs, read only in ``collect``."""
+    """Sums the forward passes: host clock on CPU; CUDA events on GPUs, read only in ``collect``.
+
+    The hooks run eagerly under torch.compile (a graph break before and after the whole forward)."""
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
+        self.paused = False
         self.intervals = 0
-        self._open: Any = None  # the start of the running interval: a float or a CUDA event
+        self._open: Any = None  # the start of the running forward: a float or a CUDA event
         self._seconds = 0.0
         self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
 
-    def start(self) -> None:
-        self._open = self._now()
+    @torch.compiler.disable
+    def start_hook(self, module: torch.nn.Module, args: Any) -> None:
+        if not self.paused and torch.is_grad_enabled():  # a training forward
+            self._open = self._now()
 
-    def stop(self) -> None:
-        if self._open is None:  # a second backward in the same step (gradient accumulation): counted
+    @torch.compiler.disable
+    def stop_hook(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        if self._open is None:
             return
         end = self._now()
         if self.cuda:
@@ -146,9 +161,6 @@ class _WorkTimer:
             self._seconds += end - self._open
         self._open = None
         self.intervals += 1
-
-    def cancel(self) -> None:
-        self._open = None
 
     def collect(self) -> float:
         """The seconds summed since the previous ``collect`` (waits for the device's last event)."""

@@ -2,7 +2,8 @@
 
 ``BlockForever`` makes one rank hang in a training step, as a dead link or a deadlock would: it never
 returns from ``on_train_batch_start`` of step ``step`` + 1 (first noting the time in ``marker``).
-``SlowRank`` makes one rank a straggler: it sleeps ``seconds`` before every training batch.
+``SlowRank`` makes one rank a straggler, as a throttled GPU would: the forward pass of its model
+(``pl_module.model``, else the LightningModule) takes ``seconds`` longer.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ class SlowRank(L.Callback):
     def __init__(self, rank: int, seconds: float) -> None:
         self.rank, self.seconds = rank, seconds
 
-    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if trainer.global_rank == self.rank:
-            time.sleep(self.seconds)
+            model = getattr(pl_module, "model", pl_module)
+            model.register_forward_pre_hook(lambda module, args: time.sleep(self.seconds))
