@@ -81,10 +81,10 @@ def test_a_rank_blocked_forever_ends_both_ranks_with_76_and_its_stack(tmp_path: 
 
     hangs = tmp_path / "run" / "hangs"
     blocked = (hangs / "rank1.txt").read_text()
-    assert blocked.startswith("rank 1 (pid ") and "at step 6, in training batch " in blocked
+    assert blocked.startswith("rank 1 (pid ") and "at step 6, in training batch 6 of step 7" in blocked
     assert "in block_forever_in_training_step" in blocked  # the stack names the blocked function
     waiting = (hangs / "rank0.txt").read_text()  # rank 0 waits for rank 1 in a collective of DDP's
-    assert waiting.startswith("rank 0 (pid ") and "at step 6, in training batch " in waiting
+    assert waiting.startswith("rank 0 (pid ") and "at step 6, in training batch 6 of step 7" in waiting
     assert "block_forever_in_training_step" not in waiting
     assert "torch/nn/parallel/distributed.py" in waiting
     assert "exiting with code 76" in outputs[1] and f"stacks in {hangs / 'rank1.txt'}" in outputs[1]

@@ -76,7 +76,7 @@ class HangWatchdog(Callback):
         self.timeout, self.factor, self.floor_s, self.grace_steps = timeout, factor, floor_s, grace_steps
         self.timeout_s: float | None = timeout  # the timeout in force (None until one is known)
         self._last_beat = 0.0
-        self._phase = "starting"
+        self._phase: tuple[str, int | None] = ("starting", None)
         self._batches = 0  # training batches of this launch
         self._validated = False  # the launch's first validation batch (sanity check included) is done
         self._in_first_validation = False
@@ -87,8 +87,9 @@ class HangWatchdog(Callback):
         self._thread: threading.Thread | None = None
 
     # -- the heartbeat, called by the training loop ------------------------------------------------
-    def _beat(self, phase: str, step: int) -> None:
-        self._last_beat, self._phase, self._step = time.monotonic(), phase, step
+    def _beat(self, phase: str, batch_idx: int | None, step: int) -> None:
+        """A phase began (``phase`` is formatted only when the watchdog fires: no per-step work)."""
+        self._last_beat, self._phase, self._step = time.monotonic(), (phase, batch_idx), step
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._batches, self._validated, self._in_first_validation = 0, False, False
@@ -99,14 +100,14 @@ class HangWatchdog(Callback):
         self._rank = trainer.global_rank
         self._path = Path(trainer.default_root_dir) / HANGS_FOLDER / f"rank{self._rank}.txt"
         self._previous_batch_end = None
-        self._beat("training start", trainer.global_step)
+        self._beat("training start", None, trainer.global_step)
         self._stop.clear()
         self._thread = threading.Thread(target=self._watch, name="HangWatchdog", daemon=True)
         self._thread.start()
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
                              batch_idx: int) -> None:
-        self._beat(f"training batch {batch_idx} (step {trainer.global_step + 1})", trainer.global_step)
+        self._beat("training batch {batch} of step {next_step}", batch_idx, trainer.global_step)
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
@@ -120,27 +121,27 @@ class HangWatchdog(Callback):
         if self.timeout is None and self._batches >= self.grace_steps and self._batch_times and (
                 self.timeout_s is None or self._batches % 64 == 0):  # a sort of 256 floats, now and then
             self.timeout_s = max(self.floor_s, self.factor * statistics.median(self._batch_times))
-        self._beat(f"after training batch {batch_idx} (step {trainer.global_step})", trainer.global_step)
+        self._beat("after training batch {batch} (step {step}): other callbacks, logging or loading the next "
+                   "batch", batch_idx, trainer.global_step)
 
     def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._previous_batch_end = None  # validation time is no batch time
         self._in_first_validation = not self._validated
-        self._beat("validation start", trainer.global_step)
+        self._beat("validation start (after step {step})", None, trainer.global_step)
 
     def on_validation_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
                                   batch_idx: int, dataloader_idx: int = 0) -> None:
-        self._beat(f"validation batch {batch_idx} (after step {trainer.global_step})", trainer.global_step)
+        self._beat("validation batch {batch} (after step {step})", batch_idx, trainer.global_step)
 
     def on_validation_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any,
                                 batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
         self._validated, self._in_first_validation = True, False
-        step = trainer.global_step
-        self._beat(f"after validation batch {batch_idx} (after step {step})", step)
+        self._beat("after validation batch {batch} (after step {step})", batch_idx, trainer.global_step)
 
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule,
                            checkpoint: dict[str, Any]) -> None:
         self._previous_batch_end = None
-        self._beat(f"checkpoint save at step {trainer.global_step}", trainer.global_step)
+        self._beat("checkpoint save at step {step}", None, trainer.global_step)
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._halt()
@@ -169,19 +170,26 @@ class HangWatchdog(Callback):
         return min(1.0, (self.timeout_s or 10.0) / 10)
 
     def _fire(self, silent: float, timeout: float) -> None:
-        self._path.parent.mkdir(parents=True, exist_ok=True)
-        phase, step = self._phase, self._step
-        with self._path.open("w") as file:
-            file.write(f"rank {self._rank} (pid {os.getpid()} on {socket.gethostname()}) hung: no progress "
-                       f"for {silent:.1f} s (timeout {timeout:g} s) at step {step}, in {phase}\n"
-                       f"time: {time.strftime('%Y-%m-%d %H:%M:%S %Z')}\n\nPython stacks of every thread:\n")
-            file.flush()
-            faulthandler.dump_traceback(file, all_threads=True)
-            file.flush()
-            os.fsync(file.fileno())
+        (template, batch), step = self._phase, self._step
+        phase = template.format(batch=batch, step=step, next_step=step + 1)
+        header = (f"rank {self._rank} (pid {os.getpid()} on {socket.gethostname()}) hung: no progress for "
+                  f"{silent:.1f} s (timeout {timeout:g} s) at step {step}, in {phase}\n"
+                  f"time: {time.strftime('%Y-%m-%d %H:%M:%S %Z')}\n\nPython stacks of every thread:\n")
+        try:
+            self._path.parent.mkdir(parents=True, exist_ok=True)
+            with self._path.open("w") as file:
+                file.write(header)
+                file.flush()
+                faulthandler.dump_traceback(file, all_threads=True)
+                file.flush()
+                os.fsync(file.fileno())
+            where = f"stacks in {self._path}"
+        except OSError as error:  # a full or read-only disk must not keep a hung rank alive
+            print(header, file=sys.stderr, flush=True)
+            faulthandler.dump_traceback(sys.stderr, all_threads=True)
+            where = f"stacks above (could not write {self._path}: {error})"
         print(f"HangWatchdog: rank {self._rank} made no progress for {silent:.0f} s at step {step} "
-              f"({phase}); stacks in {self._path}; exiting with code {HANG_EXIT_CODE}",
-              file=sys.stderr, flush=True)
+              f"({phase}); {where}; exiting with code {HANG_EXIT_CODE}", file=sys.stderr, flush=True)
         # Peers blocked in a collective with this rank fire within about one batch time: let them.
         median = statistics.median(self._batch_times) if self._batch_times else 0.0
         time.sleep(min(timeout, 5.0 + 2 * median))
