@@ -22,6 +22,7 @@ scheduler requeues the job and ``--resume auto`` continues from the newest check
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import os
 import socket
@@ -185,14 +186,24 @@ class HangWatchdog(Callback):
                 os.fsync(file.fileno())
             where = f"stacks in {self._path}"
         except OSError as error:  # a full or read-only disk must not keep a hung rank alive
-            print(header, file=sys.stderr, flush=True)
-            faulthandler.dump_traceback(sys.stderr, all_threads=True)
+            with contextlib.suppress(OSError, ValueError):
+                os.write(sys.stderr.fileno(), header.encode())
+                faulthandler.dump_traceback(sys.stderr, all_threads=True)
             where = f"stacks above (could not write {self._path}: {error})"
-        print(f"HangWatchdog: rank {self._rank} made no progress for {silent:.0f} s at step {step} "
-              f"({phase}); {where}; exiting with code {HANG_EXIT_CODE}", file=sys.stderr, flush=True)
+        notice = (f"\nHangWatchdog: rank {self._rank} made no progress for {silent:.0f} s at step {step} "
+                  f"({phase}); {where}; exiting with code {HANG_EXIT_CODE}\n")
+        # A console nobody drains (a full pipe) may be what hangs: tell and flush on a thread of its own.
+        threading.Thread(target=_tell_and_flush, args=(notice,), daemon=True).start()
         # Peers blocked in a collective with this rank fire within about one batch time: let them.
         median = statistics.median(self._batch_times) if self._batch_times else 0.0
         time.sleep(min(timeout, 5.0 + 2 * median))
-        sys.stdout.flush()
-        sys.stderr.flush()
         os._exit(HANG_EXIT_CODE)
+
+
+def _tell_and_flush(notice: str) -> None:
+    """The notice on its own line on stderr (even under a progress bar), then whatever Python buffered."""
+    with contextlib.suppress(OSError, ValueError):
+        os.write(sys.stderr.fileno(), notice.encode())
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
