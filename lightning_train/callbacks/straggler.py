@@ -41,7 +41,7 @@ class StragglerMonitor(Callback):
     """Logs ``perf/straggler_ratio`` and ``perf/slowest_rank`` on logging steps; alerts on lasting ones.
 
     Args:
-        threshold: the ratio (slowest rank's work time / the median rank's) above which a logging
+        threshold: the ratio (slowest rank's forward time / the median rank's) above which a logging
             step counts as straggling. With two ranks the median is their mean, so the ratio is
             below 2 however slow one is.
         patience: straggling logging steps in a row before the alert; one alert per episode (the
@@ -78,9 +78,9 @@ class StragglerMonitor(Callback):
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
+        # Decided on what every rank shares (never on local timings), so all ranks join the all-gather.
         step_done = trainer.global_step != self._measured_step  # not a gradient accumulation micro-batch
-        if self._timer is not None and step_done and is_logging_step(trainer, self.log_every_n_steps) \
-                and self._timer.intervals:
+        if self._timer is not None and step_done and is_logging_step(trainer, self.log_every_n_steps):
             self._measured_step = trainer.global_step
             self._measure(trainer)
 
@@ -140,7 +140,6 @@ class _WorkTimer:
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
         self.paused = False
-        self.intervals = 0
         self._open: Any = None  # the start of the running forward: a float or a CUDA event
         self._seconds = 0.0
         self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
@@ -160,7 +159,6 @@ class _WorkTimer:
         else:
             self._seconds += end - self._open
         self._open = None
-        self.intervals += 1
 
     def collect(self) -> float:
         """The seconds summed since the previous ``collect`` (waits for the device's last event)."""
@@ -168,7 +166,7 @@ class _WorkTimer:
             self._events[-1][1].synchronize()
             self._seconds += sum(start.elapsed_time(end) for start, end in self._events) / 1000
             self._events.clear()
-        seconds, self._seconds, self.intervals = self._seconds, 0.0, 0
+        seconds, self._seconds = self._seconds, 0.0
         return seconds
 
     def _now(self) -> Any:
