@@ -79,3 +79,11 @@ def test_gpu_without_cuda_says_so_and_writes_nothing(tmp_path: Path) -> None:
     assert done.returncode == 0
     assert "not run: no CUDA device" in done.stdout
     assert not (tmp_path / "gpu.json").exists()
+
+
+def test_watchdog_overhead_smoke(tmp_path: Path) -> None:
+    payload = run_smoke("watchdog_overhead.py", tmp_path / "watchdog_overhead.json")
+    assert payload["benchmark"] == "watchdog_overhead" and payload["smoke"] is True
+    for clock in ("cpu", "wall"):
+        check_comparison(payload["results"][clock], pairs=1)
+    assert payload["hooks_cpu_us_per_step"] > 0 and 0 < payload["hooks_share_of_step"] < 0.05

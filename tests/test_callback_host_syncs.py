@@ -17,7 +17,14 @@ import pytest
 import torch
 
 import lightning_train.callbacks
-from lightning_train.callbacks import GradNormMonitor, LossScaleMonitor, ThroughputMonitor, TimeToQuality
+from lightning_train.callbacks import (
+    GradNormMonitor,
+    HangWatchdog,
+    LossScaleMonitor,
+    StragglerMonitor,
+    ThroughputMonitor,
+    TimeToQuality,
+)
 from lightning_train.models.gpt import GPTConfig
 from lightning_train.modules import PretrainModule
 from tests.helpers.tiny_runs import TINY, WithValidation
@@ -29,7 +36,8 @@ HOST_READS = ("item", "tolist", "numpy", "cpu", "__bool__", "__float__", "__int_
 def all_callbacks() -> list[L.Callback]:
     """The telemetry callbacks, doing their normal work (LossScaleMonitor is idle in fp32)."""
     return [
-        GradNormMonitor(), ThroughputMonitor(peak_flops=1e12), TimeToQuality(target=0.0), LossScaleMonitor()
+        GradNormMonitor(), ThroughputMonitor(peak_flops=1e12), TimeToQuality(target=0.0), LossScaleMonitor(),
+        HangWatchdog(timeout=60, grace_steps=1), StragglerMonitor(),
     ]
 
 
