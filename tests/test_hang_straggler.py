@@ -22,12 +22,10 @@ from lightning.pytorch.demos.boring_classes import BoringModel
 from lightning_train.callbacks import HangWatchdog, StragglerMonitor
 from lightning_train.callbacks.hang_watchdog import HANG_EXIT_CODE
 from lightning_train.errors import UserInputError
-from tests import test_fault_tolerance
 from tests.conftest import REPO, cli_env
+from tests.helpers.ft_runs import fit, write_config
 from tests.helpers.hang_faults import SlowRank
-from tests.test_fault_tolerance import fit, write_config
 
-data_dir = test_fault_tolerance.data_dir  # the same small prepared corpus (a module-scoped fixture)
 TIMEOUT = 6.0
 TWO_RANKS = ("--trainer.devices=2", "--trainer.accelerator=cpu", "--trainer.strategy=lt_ddp")
 

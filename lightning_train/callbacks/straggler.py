@@ -32,9 +32,9 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback
 
-from lightning_train.alerts import send_alert
 from lightning_train.callbacks._common import is_logging_step, log_metrics
 from lightning_train.errors import UserInputError
+from lightning_train.loggers.alerts import send_alert
 
 
 class StragglerMonitor(Callback):
