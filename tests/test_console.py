@@ -69,7 +69,7 @@ def pretrained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
 
 def test_default_fit_console_is_clean(pretrained: tuple[Path, str]) -> None:
     root, text = pretrained
-    assert "`max_steps=20` reached" in text and (root / "checkpoints" / "last.ckpt").is_file()
+    assert "Run finished: max_steps=20 reached" in text and (root / "checkpoints" / "last.ckpt").is_file()
     assert "LossScaleMonitor" not in text  # fp32: no callback that says it has nothing to do
 
 
@@ -80,7 +80,7 @@ def test_lora_finetune_and_generate_console_is_clean(pretrained: tuple[Path, str
         "--model.init_args.lora.rank=8", "--trainer.max_steps=6", "--trainer.val_check_interval=3",
         "--trainer.limit_val_batches=1", "--data.init_args.eval_prompts=4", config="finetune-tiny.yaml",
     ), cwd=tmp_path)
-    assert "`max_steps=6` reached" in assert_clean(result)
+    assert "Run finished: max_steps=6 reached" in assert_clean(result)
     result = run("generate", "--checkpoint", str(tmp_path / "checkpoints" / "last.ckpt"),
                  "--prompt", "get_user_name in CamelCase: ", "--max_new_tokens", "8", cwd=tmp_path)
     assert assert_clean(result).startswith("get_user_name in CamelCase: ")
@@ -124,7 +124,9 @@ def test_package_warnings_read_warning_colon(tmp_path: Path) -> None:
     result = run(*fit(tmp_path, "--resume", "auto", "--trainer.max_steps=1", "--trainer.limit_val_batches=0"),
                  cwd=tmp_path)
     text = console(result)
-    assert result.returncode == 0, text
+    # nothing valid to resume and a checkpoint it would overwrite: refused, the file kept
+    assert result.returncode == 2 and "none passed verification" in text, text
+    assert (checkpoints / "last.ckpt").read_bytes() == b"not a checkpoint"
     lines = [line for line in text.splitlines() if "skipping checkpoint" in line]
     assert lines and all(line.startswith(f"warning: skipping checkpoint {checkpoints / 'last.ckpt'}: ")
                          for line in lines), text

@@ -39,7 +39,8 @@ def resolve_resume(resume: str | None, checkpoint_dir: str | Path) -> str | None
     if resume.lower() == "auto":
         found = find_resume_checkpoint(checkpoint_dir)
         if found is None:
-            rank_zero_info(f"--resume auto: no checkpoint in {checkpoint_dir}, starting fresh")
+            if not _candidates_newest_first(Path(checkpoint_dir)):  # else the caller refuses to overwrite
+                rank_zero_info(f"--resume auto: no checkpoint in {checkpoint_dir}, starting fresh")
             return None
         rank_zero_info(f"--resume auto: resuming from {found}")
         return str(found)

@@ -59,6 +59,12 @@ def check_fit(
         not entry.name.startswith(".") for entry in checkpoint_dir.iterdir()  # .partial: torn writes
     )
     has_metrics = any(folder.glob("version_*/metrics.csv"))
+    if resume_auto and ckpt_path is None and has_checkpoints:
+        raise UserInputError(
+            f"--resume auto: {checkpoint_dir} holds checkpoints but none passed verification (see the "
+            "warnings above), so nothing was resumed or overwritten; move them away to start this run "
+            "afresh, or start a new run in its own folder with --run_name NAME"
+        )
     if not own and (has_checkpoints or (has_metrics and not resume_auto)):
         started = f" from {ckpt_path}" if ckpt_path else ""
         raise UserInputError(
