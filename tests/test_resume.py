@@ -13,14 +13,16 @@ from tests.conftest import REPO, run_cli
 
 CONFIGS = REPO / "configs"
 QUIET = ("--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false")
+SMALL = ("--model.config.n_layer=1", "--model.config.n_embd=32", "--data.batch_size=2", "--data.seq_len=32")
 
 
 @pytest.fixture(scope="module")
 def pretrained(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The starting checkpoint of configs/finetune-tiny.yaml, made as its comment says (2 steps)."""
+    """The starting checkpoint of configs/finetune-tiny.yaml, made as its comment says (2 steps of a
+    smaller model)."""
     folder = tmp_path_factory.mktemp("pretrain")
     result = run_cli("fit", "--config", str(CONFIGS / "pretrain-tiny.yaml"), "--trainer.max_steps=2",
-                     "--trainer.limit_val_batches=0", *QUIET, cwd=folder)
+                     "--trainer.limit_val_batches=0", *SMALL, *QUIET, cwd=folder)
     assert result.returncode == 0, result.stderr[-3000:]
     return folder / "runs/pretrain-tiny/checkpoints/last.ckpt"
 
@@ -59,3 +61,39 @@ def test_a_finetune_resumed_with_ckpt_path_continues_exactly(tmp_path: Path, pre
         assert torch.equal(halves["state_dict"][name], weight), name
     assert train_losses(tmp_path / "runs/halves") == train_losses(tmp_path / "runs/whole")
     assert sorted(train_losses(tmp_path / "runs/whole")) == [0, 1, 2, 3, 4, 5]
+
+
+def pretrain(folder: Path, run_name: str, max_steps: int, *args: str):
+    return run_cli(
+        "fit", "--config", str(CONFIGS / "pretrain-tiny.yaml"), f"--run_name={run_name}",
+        f"--trainer.max_steps={max_steps}", "--trainer.log_every_n_steps=2", "--trainer.val_check_interval=4",
+        "--trainer.limit_val_batches=1", *SMALL, *QUIET, *args, cwd=folder,
+    )
+
+
+def steps_of_each_metric(run: Path) -> dict[str, list[int]]:
+    """Metric name -> the steps it was logged at, over every launch of the run."""
+    steps: dict[str, set[int]] = {}
+    for metrics in sorted(run.glob("version_*/metrics.csv")):
+        with metrics.open() as rows:
+            for row in csv.DictReader(rows):
+                for name, value in row.items():
+                    if value and name not in ("step", "epoch"):
+                        steps.setdefault(name, set()).add(int(row["step"]))
+    return {name: sorted(found) for name, found in steps.items()}
+
+
+def test_every_metric_keeps_its_step_across_a_resume(tmp_path: Path) -> None:
+    """The resumed launch starts from the last.ckpt written when training ended after a validation
+    (step 8 of 8), where Lightning's restart counted the last batch twice."""
+    whole = pretrain(tmp_path, "whole", 12)
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    first = pretrain(tmp_path, "halves", 8)
+    assert first.returncode == 0, first.stderr[-3000:]
+    resumed = pretrain(tmp_path, "halves", 12, "--resume=auto")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+
+    expected = steps_of_each_metric(tmp_path / "runs/whole")
+    assert expected["train/loss"] == expected["health/grad_norm"] == [1, 3, 5, 7, 9, 11]
+    assert expected["val/loss"] == [3, 7, 11]
+    assert steps_of_each_metric(tmp_path / "runs/halves") == expected

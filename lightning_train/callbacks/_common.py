@@ -9,7 +9,8 @@ from torch.distributed.tensor import DTensor
 
 def log_metrics(trainer: L.Trainer, metrics: dict[str, float]) -> None:
     """Send ``metrics`` to every logger at the step Lightning logs ``train/loss`` of this batch with
-    (what its own LearningRateMonitor does), so the values share one row/step."""
+    (what its own LearningRateMonitor does), so the values share one row/step. After a resume that
+    counter is the optimizer step only with ``StepAxisKeeper`` (the CLI adds it)."""
     step = trainer.fit_loop.epoch_loop._batches_that_stepped
     for logger in trainer.loggers:
         logger.log_metrics(metrics, step=step)

@@ -24,7 +24,13 @@ from lightning.pytorch.plugins.environments import ClusterEnvironment, SLURMEnvi
 from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
-from lightning_train.callbacks import PreemptionCheckpoint, RNGStateKeeper, RunSummary, TokenProgressBar
+from lightning_train.callbacks import (
+    PreemptionCheckpoint,
+    RNGStateKeeper,
+    RunSummary,
+    StepAxisKeeper,
+    TokenProgressBar,
+)
 from lightning_train.checkpoint import (
     AtomicCheckpointIO,
     checkpoint_mismatch_error,
@@ -238,7 +244,8 @@ def _run_defaults(trainer: dict[str, Any], subcommand: str | None, command: list
     - A progress bar with tokens/s and ETA; at the end of ``fit``, a summary (``RunSummary``).
     - ``16-mixed``: real loss scaling on every device (Lightning's would turn into bf16 on CPU) and the
       LR schedule held on skipped steps (``AmpPrecision``).
-    - Exact resume and preemption: every rank's RNG states in checkpoints, checkpoint-and-exit (code 75)
+    - Exact resume and preemption: every rank's RNG states in checkpoints, the logging step kept on the
+      optimizer step (``StepAxisKeeper``), checkpoint-and-exit (code 75)
       on SIGTERM/SIGUSR1 (code 130 on Ctrl-C), atomic sha256-verified checkpoint files; on SLURM,
       Lightning's own auto-requeue is off so that it does not act on the same signals.
     """
@@ -257,7 +264,7 @@ def _run_defaults(trainer: dict[str, Any], subcommand: str | None, command: list
     has_bar = any(isinstance(c, ProgressBar) for c in callbacks)
     if trainer.get("enable_progress_bar") is not False and not has_bar:
         extra_callbacks.append(TokenProgressBar(refresh_rate=10))  # each refresh reads metrics to host
-    extra_callbacks += [kind() for kind in (RNGStateKeeper, PreemptionCheckpoint)
+    extra_callbacks += [kind() for kind in (RNGStateKeeper, StepAxisKeeper, PreemptionCheckpoint)
                         if not any(isinstance(c, kind) for c in callbacks)]
     if subcommand == "fit" and not any(isinstance(c, RunSummary) for c in callbacks):
         extra_callbacks.append(RunSummary(command=command))
