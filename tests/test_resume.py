@@ -97,3 +97,27 @@ def test_every_metric_keeps_its_step_across_a_resume(tmp_path: Path) -> None:
     assert expected["train/loss"] == expected["health/grad_norm"] == [1, 3, 5, 7, 9, 11]
     assert expected["val/loss"] == [3, 7, 11]
     assert steps_of_each_metric(tmp_path / "runs/halves") == expected
+
+
+@pytest.fixture(scope="module")
+def sharded_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A folder holding runs/sharded, whose last.ckpt is the folder lt_fsdp writes (step 2)."""
+    folder = tmp_path_factory.mktemp("sharded")
+    result = pretrain(folder, "sharded", 2, "--trainer.strategy=lt_fsdp")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (folder / "runs/sharded/checkpoints/last.ckpt").is_dir()
+    return folder
+
+
+@pytest.mark.parametrize("how", [("--resume=auto",), ("--ckpt_path={last}", "--weights_only=false")],
+                         ids=["resume-auto", "ckpt-path-full-load"])
+def test_a_sharded_checkpoint_resumed_without_its_strategy_is_one_error(
+    sharded_run: Path, how: tuple[str, ...]
+) -> None:
+    last = sharded_run / "runs/sharded/checkpoints/last.ckpt"
+    resumed = pretrain(sharded_run, "sharded", 4, *(arg.format(last=last) for arg in how))
+    errors = [line for line in resumed.stderr.splitlines() if line.startswith("error:")]
+    assert resumed.returncode == 2, resumed.stderr[-3000:]
+    assert "Traceback" not in resumed.stderr
+    assert len(errors) == 1 and "last.ckpt is a folder" in errors[0], resumed.stderr[-3000:]
+    assert "--trainer.strategy=lt_fsdp" in errors[0] and "consolidate" in errors[0]
