@@ -4,14 +4,19 @@ row, a sharded checkpoint needs its strategy, and resuming a run's own folder pr
 from __future__ import annotations
 
 import csv
+import warnings
 from pathlib import Path
 
+import lightning as L
 import pytest
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 
+from lightning_train._warnings import silence_resumed_checkpoint_dir
 from tests.conftest import REPO, run_cli
 
 CONFIGS = REPO / "configs"
+NOT_EMPTY = "exists and is not empty"  # Lightning's ModelCheckpoint warning
 QUIET = ("--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false")
 SMALL = ("--model.config.n_layer=1", "--model.config.n_embd=32", "--data.batch_size=2", "--data.seq_len=32")
 
@@ -53,6 +58,7 @@ def test_a_finetune_resumed_with_ckpt_path_continues_exactly(tmp_path: Path, pre
     last = tmp_path / "runs/halves/checkpoints/last.ckpt"
     resumed = finetune(tmp_path, pretrained, "halves", 6, f"--ckpt_path={last}")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert NOT_EMPTY not in resumed.stderr  # its own checkpoints: no warning
 
     whole = torch.load(tmp_path / "runs/whole/checkpoints/last.ckpt", weights_only=True)
     halves = torch.load(last, weights_only=True)
@@ -92,6 +98,7 @@ def test_every_metric_keeps_its_step_across_a_resume(tmp_path: Path) -> None:
     assert first.returncode == 0, first.stderr[-3000:]
     resumed = pretrain(tmp_path, "halves", 12, "--resume=auto")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert NOT_EMPTY not in resumed.stderr
 
     expected = steps_of_each_metric(tmp_path / "runs/whole")
     assert expected["train/loss"] == expected["health/grad_norm"] == [1, 3, 5, 7, 9, 11]
@@ -121,3 +128,18 @@ def test_a_sharded_checkpoint_resumed_without_its_strategy_is_one_error(
     assert "Traceback" not in resumed.stderr
     assert len(errors) == 1 and "last.ckpt is a folder" in errors[0], resumed.stderr[-3000:]
     assert "--trainer.strategy=lt_fsdp" in errors[0] and "consolidate" in errors[0]
+
+
+def test_the_not_empty_warning_stays_for_every_folder_but_the_resumed_one(tmp_path: Path) -> None:
+    own, other = tmp_path / "own", tmp_path / "other"
+    for folder in (own, other):
+        folder.mkdir()
+        (folder / "last.ckpt").write_bytes(b"a checkpoint")
+    trainer = L.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False)
+    with warnings.catch_warnings(record=True) as caught:
+        silence_resumed_checkpoint_dir(str(own))
+        warnings.filterwarnings("always", message="Checkpoint directory", append=True)
+        for folder in (own, other):
+            ModelCheckpoint(dirpath=folder).setup(trainer, L.LightningModule(), "fit")
+    shown = [str(w.message) for w in caught if NOT_EMPTY in str(w.message)]
+    assert shown == [f"Checkpoint directory {other} exists and is not empty."]

@@ -24,6 +24,7 @@ from lightning.pytorch.plugins.environments import ClusterEnvironment, SLURMEnvi
 from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
+from lightning_train._warnings import silence_resumed_checkpoint_dir
 from lightning_train.callbacks import (
     PreemptionCheckpoint,
     RNGStateKeeper,
@@ -135,7 +136,13 @@ class LightningTrainCLI(LightningCLI):
         config = self.config_init[self.subcommand]
         auto = (config.get("resume") or "").lower() == "auto"
         past_target = config["continue_past_target"]
-        check_fit(self.trainer, self._checkpoint_dir(), config.get("ckpt_path"), auto, past_target)
+        if check_fit(self.trainer, self._checkpoint_dir(), config.get("ckpt_path"), auto, past_target):
+            # Resuming this run: the checkpoints in its folder are its own, Lightning's warning is wrong.
+            run = Path(self.trainer.default_root_dir).resolve()
+            for callback in self.trainer.checkpoint_callbacks:
+                dirpath = getattr(callback, "dirpath", None)
+                if dirpath is not None and Path(dirpath).resolve().is_relative_to(run):
+                    silence_resumed_checkpoint_dir(dirpath)
 
     def before_validate(self) -> None:
         self._resolve_resume()
