@@ -121,6 +121,12 @@ def batches_that_stepped(trainer: L.Trainer) -> int:
     return trainer.fit_loop.epoch_loop._batches_that_stepped
 
 
+def set_batches_that_stepped(trainer: L.Trainer, step: int) -> None:
+    """Set the step Lightning logs metrics at (the same private counter as ``batches_that_stepped``);
+    Lightning has no public setter."""
+    trainer.fit_loop.epoch_loop._batches_that_stepped = step
+
+
 def data_fetcher(trainer: L.Trainer) -> Any:
     """The fit loop's iterator over the training batches, None outside an epoch (``trainer.fit_loop.
     _data_fetcher``, Lightning 2.5-2.6; no public one)."""

@@ -57,6 +57,15 @@ def silence_known_noise() -> None:
             logger.addFilter(_DropMatching(pattern))
 
 
+def silence_resumed_checkpoint_dir(dirpath: str | Path) -> None:
+    """Drop ModelCheckpoint's "Checkpoint directory DIRPATH exists and is not empty" for this one folder:
+    a run that resumes from its own checkpoints finds them there by design. The warning stays for every
+    other folder (a new run writing among files it did not make)."""
+    message = rf"Checkpoint directory {re.escape(str(dirpath))} exists and is not empty\.$"
+    source = r"lightning\.pytorch\.callbacks\.model_checkpoint$"
+    warnings.filterwarnings("ignore", message=message, category=UserWarning, module=source)
+
+
 _PACKAGE_DIR = Path(__file__).resolve().parent
 _python_format = warnings.formatwarning
 

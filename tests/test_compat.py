@@ -174,6 +174,19 @@ def test_batches_that_stepped(fit_seen):
     assert fit_seen["stepped"] == [0, 1, 2]  # the step Lightning logs each batch's metrics at
 
 
+def test_set_batches_that_stepped():
+    class Shift(L.Callback):  # moves Lightning's logging counter ahead, as a restart can
+        def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+            if trainer.global_step == 1:
+                _compat.set_batches_that_stepped(trainer, 5)
+            seen.append(_compat.batches_that_stepped(trainer))
+
+    seen: list[int] = []
+    trainer = L.Trainer(**QUIET, max_steps=3, callbacks=[Shift()], limit_val_batches=0)
+    trainer.fit(BoringModel())
+    assert seen == [0, 5, 6]  # the counter was set, and Lightning counts on from it
+
+
 class _DropSecondBatch(L.Callback):
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
         if trainer.global_step == 1:

@@ -8,6 +8,7 @@ from lightning_train.callbacks.preemption import PreemptionCheckpoint
 from lightning_train.callbacks.progress import TokenProgressBar
 from lightning_train.callbacks.rng_state import RNGStateKeeper
 from lightning_train.callbacks.run_summary import RunSummary
+from lightning_train.callbacks.step_axis import StepAxisKeeper
 from lightning_train.callbacks.straggler import StragglerMonitor
 from lightning_train.callbacks.throughput import ThroughputMonitor
 from lightning_train.callbacks.time_to_quality import TimeToQuality
@@ -21,6 +22,7 @@ __all__ = [
     "PreemptionCheckpoint",
     "RNGStateKeeper",
     "RunSummary",
+    "StepAxisKeeper",
     "StragglerMonitor",
     "ThroughputMonitor",
     "TimeToQuality",

@@ -11,7 +11,8 @@ from lightning_train._compat import batches_that_stepped
 
 def log_metrics(trainer: L.Trainer, metrics: dict[str, float]) -> None:
     """Send ``metrics`` to every logger at the step Lightning logs ``train/loss`` of this batch with
-    (what its own LearningRateMonitor does), so the values share one row/step."""
+    (what its own LearningRateMonitor does), so the values share one row/step. After a resume that
+    counter is the optimizer step only with ``StepAxisKeeper`` (the CLI adds it)."""
     step = batches_that_stepped(trainer)
     for logger in trainer.loggers:
         logger.log_metrics(metrics, step=step)

@@ -190,16 +190,22 @@ def load_torch_file(
         ) from error
 
 
+def sharded_folder_error(path: Path) -> UserInputError:
+    """What to say when a strategy that reads single files is given a sharded checkpoint folder."""
+    return UserInputError(
+        f"checkpoint {path} is a folder (a sharded checkpoint, as lt_fsdp writes): resume it with "
+        "--trainer.strategy=lt_fsdp (or lt_ddp, at any device count), or export its weights to one file "
+        f"with `python -m lightning_train consolidate --checkpoint {path} --output DIR`"
+    )
+
+
 def read_checkpoint(path: str | Path, map_location: Any = "cpu", mmap: bool = True) -> dict[str, Any]:
     """A checkpoint file verified (manifest, else zip CRCs), loaded safely and checked for its format
     version. ``mmap`` (the default) maps tensors instead of reading them: cheap when only the metadata
     is needed."""
     path = Path(path)
     if path.is_dir():
-        raise UserInputError(
-            f"checkpoint {path} is a folder (a sharded checkpoint): load it with strategy lt_fsdp or lt_ddp, "
-            "or export it to one file with `python -m lightning_train consolidate`"
-        )
+        raise sharded_folder_error(path)
     if not path.is_file():
         raise UserInputError(f"checkpoint {path} does not exist; check the path")
     verify_checkpoint(path)

@@ -28,6 +28,7 @@ from lightning_train.checkpoint.format import (
     atomic_write_bytes,
     check_format_version,
     read_checkpoint,
+    sharded_folder_error,
     verify_checkpoint,
     write_manifest,
 )
@@ -73,6 +74,8 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         path = Path(path)
         if not path.exists():
             raise UserInputError(f"checkpoint {path} does not exist; check the path (or use --resume auto)")
+        if path.is_dir():  # lt_fsdp/lt_ddp read their folders themselves; other strategies end up here
+            raise sharded_folder_error(path)
         if weights_only is False:  # the caller trusts the file: verified, then fully unpickled
             verify_checkpoint(path)
             checkpoint = torch.load(path, map_location=map_location, weights_only=False)

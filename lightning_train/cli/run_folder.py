@@ -47,9 +47,10 @@ def run_folder(run_name: str | None, default_root_dir: str | None, config_files:
 def check_fit(
     trainer: Trainer, checkpoint_dir: Path, ckpt_path: str | None, resume_auto: bool,
     continue_past_target: bool,
-) -> None:
+) -> bool:
     """Before a ``fit``: refuse to mix runs in one folder; exit 0 (after saying so) when the run being
     resumed has nothing left to do. ``ckpt_path`` is the resolved checkpoint, None for a fresh start.
+    Returns whether the fit resumes this run from its own checkpoints.
 
     ``--resume auto`` that found no checkpoint may start afresh in a folder that holds only metrics (a
     launch killed before its first checkpoint), never over checkpoints."""
@@ -77,6 +78,7 @@ def check_fit(
             if trainer.is_global_zero:
                 print(finished, flush=True)
             raise SystemExit(0)
+    return own
 
 
 def _finished(trainer: Trainer, folder: Path, checkpoint: Path, continue_past_target: bool) -> str | None:

@@ -25,7 +25,14 @@ from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
 from lightning_train._compat import cli_config_value, subcommand_parser
-from lightning_train.callbacks import PreemptionCheckpoint, RNGStateKeeper, RunSummary, TokenProgressBar
+from lightning_train._warnings import silence_resumed_checkpoint_dir
+from lightning_train.callbacks import (
+    PreemptionCheckpoint,
+    RNGStateKeeper,
+    RunSummary,
+    StepAxisKeeper,
+    TokenProgressBar,
+)
 from lightning_train.checkpoint import (
     AtomicCheckpointIO,
     checkpoint_mismatch_error,
@@ -127,7 +134,13 @@ class LightningTrainCLI(LightningCLI):
         config = self.config_init[self.subcommand]
         auto = (config.get("resume") or "").lower() == "auto"
         past_target = config["continue_past_target"]
-        check_fit(self.trainer, self._checkpoint_dir(), config.get("ckpt_path"), auto, past_target)
+        if check_fit(self.trainer, self._checkpoint_dir(), config.get("ckpt_path"), auto, past_target):
+            # Resuming this run: the checkpoints in its folder are its own, Lightning's warning is wrong.
+            run = Path(self.trainer.default_root_dir).resolve()
+            for callback in self.trainer.checkpoint_callbacks:
+                dirpath = getattr(callback, "dirpath", None)
+                if dirpath is not None and Path(dirpath).resolve().is_relative_to(run):
+                    silence_resumed_checkpoint_dir(dirpath)
 
     def before_validate(self) -> None:
         self._resolve_checkpoint()
@@ -248,7 +261,8 @@ def _run_defaults(trainer: dict[str, Any], subcommand: str | None, command: list
     - A progress bar with tokens/s and ETA; at the end of ``fit``, a summary (``RunSummary``).
     - ``16-mixed``: real loss scaling on every device (Lightning's would turn into bf16 on CPU) and the
       LR schedule held on skipped steps (``AmpPrecision``).
-    - Exact resume and preemption: every rank's RNG states in checkpoints, checkpoint-and-exit (code 75)
+    - Exact resume and preemption: every rank's RNG states in checkpoints, the logging step kept on the
+      optimizer step (``StepAxisKeeper``), checkpoint-and-exit (code 75)
       on SIGTERM/SIGUSR1 (code 130 on Ctrl-C), atomic sha256-verified checkpoint files; on SLURM,
       Lightning's own auto-requeue is off so that it does not act on the same signals.
     """
@@ -267,7 +281,7 @@ def _run_defaults(trainer: dict[str, Any], subcommand: str | None, command: list
     has_bar = any(isinstance(c, ProgressBar) for c in callbacks)
     if trainer.get("enable_progress_bar") is not False and not has_bar:
         extra_callbacks.append(TokenProgressBar(refresh_rate=10))  # each refresh reads metrics to host
-    extra_callbacks += [kind() for kind in (RNGStateKeeper, PreemptionCheckpoint)
+    extra_callbacks += [kind() for kind in (RNGStateKeeper, StepAxisKeeper, PreemptionCheckpoint)
                         if not any(isinstance(c, kind) for c in callbacks)]
     if subcommand == "fit" and not any(isinstance(c, RunSummary) for c in callbacks):
         extra_callbacks.append(RunSummary(command=command))

@@ -193,7 +193,9 @@ class SFTDataModule(ResumableDataModule):
             ("seq_len", seq_len, 1), ("batch_size", batch_size, 1),
             ("eval_prompts", eval_prompts, 0), ("num_workers", num_workers, 0),
         )  # fmt: skip
-        self.save_hyperparameters()
+        # No tokenizer given means the model's: recorded by the model alone, since Lightning refuses a
+        # `tokenizer` key of model and data that differ (None here, "byte" there).
+        self.save_hyperparameters(ignore=["tokenizer"] if tokenizer is None else None)
         self.seq_len, self.batch_size, self.seed, self.num_workers = seq_len, batch_size, seed, num_workers
         self.tokenizer: Tokenizer | None = None
         self.train_set: SFTExamples | None = None
@@ -236,10 +238,17 @@ class SFTDataModule(ResumableDataModule):
         self.val_set = SFTExamples(val, self.tokenizer, self.seq_len)
 
     def _tokenizer_spec(self) -> str:
-        if self.hparams.tokenizer is not None:
-            return self.hparams.tokenizer
         module = self.trainer.lightning_module if self.trainer is not None else None
-        return getattr(module, "tokenizer_spec", None) or "byte"
+        model_spec = getattr(module, "tokenizer_spec", None)
+        given = self.hparams.get("tokenizer")
+        if given is None:
+            return model_spec or "byte"
+        if model_spec is not None and model_spec != given:
+            raise UserInputError(
+                f"the data's tokenizer {given!r} is not the model's {model_spec!r}; drop the data's "
+                "tokenizer (it then uses the model's) or give both the same"
+            )
+        return given
 
     def collate(self) -> PadCollate:
         return PadCollate(self.tokenizer.pad_id)

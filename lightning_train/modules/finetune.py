@@ -96,10 +96,14 @@ class FinetuneModule(PretrainModule):
         )
         self.tokenizer_spec, self.lora = tokenizer, lora
         # The resolved values (LightningCLI records hyper-parameters as given, e.g. `config: null`), so
-        # that a checkpoint of this module is a complete source for init_from and `generate`.
+        # that a checkpoint of this module is a complete source for init_from and `generate`, and the
+        # logged hparams name the tokenizer an SFTDataModule without its own shares (Lightning refuses a
+        # `tokenizer` key of model and data that differ, e.g. "byte" and None).
         # Plain dicts: LightningCLI reads them back with torch.load(weights_only=True) on `--ckpt_path`.
         lora_hparams = dataclasses.asdict(lora) if lora is not None else None
-        self.hparams.update(config=dataclasses.asdict(self.config), tokenizer=tokenizer, lora=lora_hparams)
+        self.save_hyperparameters(
+            {"config": dataclasses.asdict(self.config), "tokenizer": tokenizer, "lora": lora_hparams}
+        )
         self.val_token_accuracy = MeanMetric()
         self._weights_pending = False
 
