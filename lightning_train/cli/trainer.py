@@ -124,7 +124,7 @@ class LightningTrainCLI(LightningCLI):
         )
 
     def before_instantiate_classes(self) -> None:
-        config = self.config[self.subcommand]
+        config = self.config[self.subcommand] if self.subcommand else self.config  # run=False: no subcommand
         config.trainer.default_root_dir = str(
             run_folder(config.get("run_name"), config.trainer.default_root_dir, config.get("config") or [])
         )
@@ -270,7 +270,7 @@ def _run_defaults(trainer: dict[str, Any], subcommand: str | None, command: list
     callbacks, plugins = _as_list(trainer.get("callbacks")), _as_list(trainer.get("plugins"))
     defaults: dict[str, Any] = {}
     if trainer.get("logger") in (None, True):
-        name = "" if subcommand == "fit" else str(subcommand)  # evaluations never join the run's versions
+        name = "" if subcommand in ("fit", None) else subcommand  # evaluations never join the run's versions
         defaults["logger"] = CSVLogger(save_dir=str(root), name=name)
 
     checkpoints = [c for c in callbacks if isinstance(c, ModelCheckpoint)]
