@@ -60,9 +60,9 @@ class RunSummary(Callback):
         >>> from lightning_train import GPTConfig, PretrainModule, TextDataModule
         >>> from lightning_train.callbacks import RunSummary, ThroughputMonitor
         >>> trainer = L.Trainer(
-        ...     max_steps=4, accelerator="cpu", log_every_n_steps=2, val_check_interval=2, limit_val_batches=2,
-        ...     logger=L.pytorch.loggers.CSVLogger(tempfile.mkdtemp()), enable_progress_bar=False,
-        ...     enable_checkpointing=False, enable_model_summary=False,
+        ...     max_steps=4, accelerator="cpu", log_every_n_steps=2, val_check_interval=2,
+        ...     limit_val_batches=2, logger=L.pytorch.loggers.CSVLogger(tempfile.mkdtemp()),
+        ...     enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False,
         ...     callbacks=[ThroughputMonitor(), RunSummary(monitor="val/loss")],
         ... )
         >>> module = PretrainModule(GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=16))
