@@ -49,11 +49,40 @@ _CHUNK = 1 << 22
 
 
 class CorruptCheckpointError(UserInputError):
-    """A checkpoint that is truncated, altered or unfinished."""
+    """A checkpoint that is truncated, altered or unfinished.
+
+    Example (one flipped bit):
+
+        >>> import tempfile
+        >>> import torch
+        >>> from lightning_train.checkpoint import AtomicCheckpointIO, CorruptCheckpointError
+        >>> from lightning_train.checkpoint import verify_checkpoint
+        >>> path = f"{tempfile.mkdtemp()}/step=3.ckpt"
+        >>> AtomicCheckpointIO().save_checkpoint({"state_dict": {"w": torch.ones(2)}, "global_step": 3}, path)
+        >>> with open(path, "r+b") as f:
+        ...     byte = f.read(101)[100]
+        ...     _ = f.seek(100), f.write(bytes([byte ^ 1]))
+        >>> try:
+        ...     verify_checkpoint(path)
+        ... except CorruptCheckpointError as error:
+        ...     print(error)  # doctest: +ELLIPSIS
+        checkpoint .../step=3.ckpt does not match the sha256 in its manifest
+    """
 
 
 class IncompatibleCheckpointError(UserInputError):
-    """A checkpoint written in a newer format than this version of lightning_train reads."""
+    """A checkpoint written in a newer format than this version of lightning_train reads.
+
+    Example:
+
+        >>> from lightning_train.checkpoint import IncompatibleCheckpointError
+        >>> from lightning_train.checkpoint.format import FORMAT_VERSION, check_format_version
+        >>> try:
+        ...     check_format_version(FORMAT_VERSION + 1, "step=3.ckpt")
+        ... except IncompatibleCheckpointError as error:
+        ...     print(str(error).split(";")[1])
+         upgrade lightning_train to resume from it
+    """
 
 
 # ---- the manifest ---------------------------------------------------------------------------------------
@@ -201,7 +230,26 @@ def load_torch_file(
 def read_checkpoint(path: str | Path, map_location: Any = "cpu", mmap: bool = True) -> dict[str, Any]:
     """A checkpoint file verified (manifest, else zip CRCs), loaded safely and checked for its format
     version. ``mmap`` (the default) maps tensors instead of reading them: cheap when only the metadata
-    is needed."""
+    is needed.
+
+    Example (a file holding a Python object beyond tensors is refused, not unpickled):
+
+        >>> import datetime
+        >>> import tempfile
+        >>> import torch
+        >>> from lightning_train import UserInputError
+        >>> from lightning_train.checkpoint import AtomicCheckpointIO, read_checkpoint
+        >>> folder = tempfile.mkdtemp()
+        >>> AtomicCheckpointIO().save_checkpoint({"state_dict": {"w": torch.ones(2)}}, f"{folder}/ok.ckpt")
+        >>> read_checkpoint(f"{folder}/ok.ckpt")["state_dict"]["w"]
+        tensor([1., 1.])
+        >>> torch.save({"created": datetime.date(2024, 1, 1)}, f"{folder}/foreign.pt")
+        >>> try:
+        ...     read_checkpoint(f"{folder}/foreign.pt")
+        ... except UserInputError as error:
+        ...     print(str(error).split(",")[0].split("/")[-1])
+        foreign.pt holds Python objects beyond tensors (datetime.date)
+    """
     path = Path(path)
     if path.is_dir():
         raise UserInputError(
