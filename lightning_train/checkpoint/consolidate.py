@@ -22,6 +22,24 @@ def consolidate(checkpoint: str, output: str, overwrite: bool = False) -> Path:
         checkpoint: the checkpoint folder or file.
         output: folder to write into (created if missing).
         overwrite: replace an existing export in ``output``.
+
+    Example (from a ``.ckpt``; a sharded folder works the same):
+
+        >>> import tempfile
+        >>> import lightning as L
+        >>> from lightning_train import GPTConfig, PretrainModule, TextDataModule
+        >>> from lightning_train.checkpoint import consolidate, open_pretrained
+        >>> trainer = L.Trainer(
+        ...     max_steps=1, accelerator="cpu", limit_val_batches=0, logger=False, enable_progress_bar=False,
+        ...     enable_checkpointing=False, enable_model_summary=False,
+        ... )
+        >>> module = PretrainModule(GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=16))
+        >>> trainer.fit(module, TextDataModule(seq_len=16, batch_size=4))
+        >>> folder = tempfile.mkdtemp()
+        >>> trainer.save_checkpoint(f"{folder}/last.ckpt")
+        >>> weights = consolidate(f"{folder}/last.ckpt", f"{folder}/export")
+        >>> weights.name, open_pretrained(weights.parent).config == module.config
+        ('model.safetensors', True)
     """
     source, target = Path(checkpoint), Path(output)
     if not source.exists():
