@@ -128,7 +128,23 @@ def _age_key(path: Path) -> tuple[int, float]:
 
 def checkpoint_mismatch_error(error: BaseException, checkpoint: str | None) -> UserInputError | None:
     """A one-line ``UserInputError`` for torch's "Error(s) in loading state_dict" when the checkpoint was
-    written by a model of another shape (names the mismatched keys and shapes); None for other errors."""
+    written by a model of another shape (names the mismatched keys and shapes); None for other errors.
+
+    Example:
+
+        >>> from lightning_train import GPT, GPTConfig
+        >>> from lightning_train.checkpoint import checkpoint_mismatch_error
+        >>> small = GPT(GPTConfig(vocab_size=258, block_size=16, n_layer=1, n_head=2, n_embd=32))
+        >>> wide = GPT(GPTConfig(vocab_size=258, block_size=16, n_layer=1, n_head=2, n_embd=64))
+        >>> try:
+        ...     small.load_state_dict(wide.state_dict())
+        ... except RuntimeError as error:
+        ...     message = str(checkpoint_mismatch_error(error, "last.ckpt"))
+        >>> message.startswith("checkpoint last.ckpt does not fit this model (size mismatch for embed.weight")
+        True
+        >>> checkpoint_mismatch_error(ValueError("something else"), "last.ckpt") is None
+        True
+    """
     text = str(error)
     if not checkpoint or not text.startswith("Error(s) in loading state_dict"):
         return None
