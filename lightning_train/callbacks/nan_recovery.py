@@ -97,6 +97,30 @@ class NaNRecovery(Callback):
         (1, 0)
         >>> all(p.isfinite().all() for p in module.parameters())  # the NaN step changed nothing
         True
+
+    When every step is bad, it rolls back and finally gives up with ``TrainingAborted``, leaving the last
+    good state as a checkpoint and a forensic report:
+
+        >>> import json
+        >>> import tempfile
+        >>> class AlwaysNaN(PretrainModule):
+        ...     def compute_loss(self, logits, labels):
+        ...         return super().compute_loss(logits, labels) * float("nan")
+        >>> recovery = NaNRecovery(max_consecutive_skips=2, skip_batches=1, max_rollbacks=1)
+        >>> trainer = L.Trainer(
+        ...     max_steps=20, accelerator="cpu", limit_val_batches=0, logger=False, enable_progress_bar=False,
+        ...     enable_checkpointing=False, enable_model_summary=False, default_root_dir=tempfile.mkdtemp(),
+        ...     callbacks=[recovery],
+        ... )
+        >>> try:
+        ...     trainer.fit(AlwaysNaN(GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=16)),
+        ...                 TextDataModule(seq_len=16, batch_size=4))
+        ... except Exception as error:  # TrainingAborted; the CLI exits with code 3
+        ...     aborted = error
+        >>> type(aborted).__name__, aborted.checkpoint.is_file(), recovery.rollbacks
+        ('TrainingAborted', True, 1)
+        >>> print(json.loads(aborted.forensics.read_text())["reason"])
+        1 rollbacks did not stop the bad steps (last: non-finite loss (nan))
     """
 
     def __init__(
