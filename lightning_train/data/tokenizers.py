@@ -18,6 +18,18 @@ PAD_CANDIDATES = ("<|pad|>", "<pad>", "[PAD]", "<|padding|>")
 
 
 class Tokenizer(Protocol):
+    """What the data modules, ``prepare`` and generation need of a tokenizer (``ByteTokenizer``,
+    ``HFTokenizer`` or one of your own with these attributes and methods).
+
+    Example:
+
+        >>> from lightning_train.data import ByteTokenizer, Tokenizer
+        >>> def round_trip(tokenizer: Tokenizer, text: str) -> str:
+        ...     return tokenizer.decode(tokenizer.encode(text) + [tokenizer.eos_id])
+        >>> round_trip(ByteTokenizer(), "def f(): pass")
+        'def f(): pass<|endoftext|>'
+    """
+
     name: str
     vocab_size: int
     eos_id: int
