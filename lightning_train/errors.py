@@ -13,11 +13,40 @@ class UserInputError(ValueError):
 
 
 class CorruptCheckpointError(UserInputError):
-    """A checkpoint that is truncated, altered or unfinished."""
+    """A checkpoint that is truncated, altered or unfinished.
+
+    Example (one flipped bit):
+
+        >>> import tempfile
+        >>> import torch
+        >>> from lightning_train.checkpoint import AtomicCheckpointIO, verify_checkpoint
+        >>> from lightning_train.errors import CorruptCheckpointError
+        >>> path = f"{tempfile.mkdtemp()}/step=3.ckpt"
+        >>> AtomicCheckpointIO().save_checkpoint({"state_dict": {"w": torch.ones(2)}, "global_step": 3}, path)
+        >>> with open(path, "r+b") as f:
+        ...     byte = f.read(101)[100]
+        ...     _ = f.seek(100), f.write(bytes([byte ^ 1]))
+        >>> try:
+        ...     verify_checkpoint(path)
+        ... except CorruptCheckpointError as error:
+        ...     print(error)  # doctest: +ELLIPSIS
+        checkpoint .../step=3.ckpt does not match the sha256 in its manifest
+    """
 
 
 class IncompatibleCheckpointError(UserInputError):
-    """A checkpoint written in a newer format than this version of lightning_train reads."""
+    """A checkpoint written in a newer format than this version of lightning_train reads.
+
+    Example:
+
+        >>> from lightning_train.errors import IncompatibleCheckpointError
+        >>> from lightning_train.checkpoint.format import FORMAT_VERSION, check_format_version
+        >>> try:
+        ...     check_format_version(FORMAT_VERSION + 1, "step=3.ckpt")
+        ... except IncompatibleCheckpointError as error:
+        ...     print(str(error).split(";")[1])
+         upgrade lightning_train to resume from it
+    """
 
 
 class TrainingAborted(Exception):

@@ -2,16 +2,7 @@
 
 All norms of a step come from one fused pass (``torch._foreach_norm`` per device/dtype bucket, then
 one ``index_add_`` into the per-group sums), stay on the device, and reach the host once per
-logging interval. Works in any Lightning Trainer:
-
-    >>> import lightning as L
-    >>> from lightning_train import GPTConfig, PretrainModule, TextDataModule
-    >>> from lightning_train.callbacks import GradNormMonitor
-    >>> monitor = GradNormMonitor(groups={"attention": r"\\.attn\\.", "mlp": r"\\.mlp\\."})
-    >>> trainer = L.Trainer(max_steps=20, log_every_n_steps=5, callbacks=[monitor])  # doctest: +SKIP
-    >>> module, data = PretrainModule(GPTConfig(n_layer=2, n_embd=64)), TextDataModule(seq_len=64)
-    >>> trainer.fit(module, data)  # doctest: +SKIP
-    >>> monitor.last_total_norm  # pre-clip norm of the latest step, on the device  # doctest: +SKIP
+logging interval. Works in any Lightning Trainer (see the class docstring).
 """
 
 from __future__ import annotations
@@ -79,6 +70,27 @@ class GradNormMonitor(Callback):
             first ModuleList named ``blocks``, ``layers`` or ``h``.
         norm_type: the p of the p-norm (``inf`` allowed); the clip fraction needs 2.0.
         update_ratio: log ``health/param_norm`` and ``health/update_ratio/<group>``.
+
+    Example:
+
+        >>> import tempfile
+        >>> import lightning as L
+        >>> from lightning_train import GPTConfig, PretrainModule, TextDataModule
+        >>> from lightning_train.callbacks import GradNormMonitor
+        >>> logger = L.pytorch.loggers.CSVLogger(tempfile.mkdtemp())
+        >>> monitor = GradNormMonitor(groups={"attention": r"\\.attn\\.", "mlp": r"\\.mlp\\."})
+        >>> trainer = L.Trainer(
+        ...     max_steps=3, accelerator="cpu", log_every_n_steps=1, limit_val_batches=0, logger=logger,
+        ...     enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False,
+        ...     callbacks=[monitor],
+        ... )
+        >>> module = PretrainModule(GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=16))
+        >>> trainer.fit(module, TextDataModule(seq_len=16, batch_size=4))
+        >>> columns = open(f"{logger.log_dir}/metrics.csv").readline().strip().split(",")
+        >>> sorted(name for name in columns if name.startswith("health/grad_norm"))
+        ['health/grad_norm', 'health/grad_norm/attention', 'health/grad_norm/mlp', 'health/grad_norm/other']
+        >>> bool(monitor.last_total_norm > 0)  # pre-clip norm of the latest step, still on the device
+        True
     """
 
     def __init__(

@@ -2,18 +2,7 @@
 
 Works with any Lightning precision plugin that has a ``scaler`` (``AmpPrecision``, Lightning's
 ``MixedPrecision``, FSDP's sharded scaler). Counting happens on the device (two comparisons a step);
-the values reach the host once per logging interval:
-
-    >>> import lightning as L
-    >>> from lightning_train import GPTConfig, PretrainModule, TextDataModule
-    >>> from lightning_train.callbacks import LossScaleMonitor
-    >>> from lightning_train.plugins import AmpPrecision
-    >>> trainer = L.Trainer(
-    ...     max_steps=20, accelerator="cpu", plugins=[AmpPrecision("16-mixed", "cpu")],
-    ...     callbacks=[LossScaleMonitor(min_scale=1.0, max_consecutive_overflows=10)],
-    ... )  # doctest: +SKIP
-    >>> module = PretrainModule(GPTConfig(n_layer=2, n_embd=64))
-    >>> trainer.fit(module, TextDataModule(seq_len=64))  # doctest: +SKIP
+the values reach the host once per logging interval (see the class docstring).
 """
 
 from __future__ import annotations
@@ -52,6 +41,26 @@ class LossScaleMonitor(Callback):
         log_every_n_steps: optimizer steps between logs; None: the Trainer's ``log_every_n_steps``.
         min_scale: alert when the scale falls below this (below 1, fp16 gradients are likely broken).
         max_consecutive_overflows: alert when this many steps in a row overflow.
+
+    Example (fp16 with loss scaling on the CPU; the metrics go to every logger):
+
+        >>> import tempfile
+        >>> import lightning as L
+        >>> from lightning_train import GPTConfig, PretrainModule, TextDataModule
+        >>> from lightning_train.callbacks import LossScaleMonitor
+        >>> from lightning_train.plugins import AmpPrecision
+        >>> logger = L.pytorch.loggers.CSVLogger(tempfile.mkdtemp())
+        >>> trainer = L.Trainer(
+        ...     max_steps=3, accelerator="cpu", log_every_n_steps=1, limit_val_batches=0, logger=logger,
+        ...     enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False,
+        ...     plugins=[AmpPrecision("16-mixed", "cpu", init_scale=1024.0)],
+        ...     callbacks=[LossScaleMonitor(min_scale=1.0, max_consecutive_overflows=10)],
+        ... )
+        >>> module = PretrainModule(GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=16))
+        >>> trainer.fit(module, TextDataModule(seq_len=16, batch_size=4))
+        >>> columns = open(f"{logger.log_dir}/metrics.csv").readline().strip().split(",")
+        >>> sorted(name for name in columns if name.startswith("amp/"))
+        ['amp/growth_count', 'amp/loss_scale', 'amp/overflow_steps']
     """
 
     def __init__(

@@ -16,16 +16,6 @@ The escalation ladder, checked at every optimizer step:
 All ranks decide the same: the step's loss, gradient norm and the scaler's overflow flag are averaged
 over ranks in one all-reduce of three numbers and read on the host once. Overflows the GradScaler
 handles itself (finite loss, inf/NaN scaled gradients) are left to it and counted by it.
-
-    >>> import lightning as L
-    >>> from lightning_train import GPTConfig, PretrainModule, TextDataModule
-    >>> from lightning_train.callbacks import GradNormMonitor, NaNRecovery
-    >>> recovery = NaNRecovery(snapshot_every=50, skip_batches=20, max_rollbacks=2)
-    >>> trainer = L.Trainer(max_steps=200, callbacks=[GradNormMonitor(), recovery])  # doctest: +SKIP
-    >>> module = PretrainModule(GPTConfig(n_layer=2, n_embd=64))
-    >>> trainer.fit(module, TextDataModule(seq_len=64))  # doctest: +SKIP
-    >>> recovery.skipped_steps, recovery.rollbacks  # doctest: +SKIP
-    (0, 0)
 """
 
 from __future__ import annotations
@@ -78,6 +68,52 @@ class NaNRecovery(Callback):
         lr_scale: LR factor for the ``lr_scale_steps`` steps after a rollback.
         lr_scale_steps: see ``lr_scale``; 0 leaves the LR alone.
         max_rollbacks: abort when one more rollback would be needed.
+
+    Example (the loss of the third step is NaN; that step is skipped and training goes on):
+
+        >>> import lightning as L
+        >>> from lightning_train import GPTConfig, PretrainModule, TextDataModule
+        >>> from lightning_train.callbacks import GradNormMonitor, NaNRecovery
+        >>> class OneNaNStep(PretrainModule):
+        ...     def compute_loss(self, logits, labels):
+        ...         loss = super().compute_loss(logits, labels)
+        ...         return loss * float("nan") if self.global_step == 2 else loss
+        >>> recovery = NaNRecovery(snapshot_every=2, skip_batches=2, max_rollbacks=2)
+        >>> trainer = L.Trainer(
+        ...     max_steps=5, accelerator="cpu", limit_val_batches=0, logger=False,
+        ...     enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False,
+        ...     callbacks=[GradNormMonitor(), recovery],
+        ... )
+        >>> module = OneNaNStep(GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=16))
+        >>> trainer.fit(module, TextDataModule(seq_len=16, batch_size=4))
+        >>> recovery.skipped_steps, recovery.rollbacks
+        (1, 0)
+        >>> all(p.isfinite().all() for p in module.parameters())  # the NaN step changed nothing
+        True
+
+    When every step is bad, it rolls back and finally gives up with ``TrainingAborted``, leaving the last
+    good state as a checkpoint and a forensic report:
+
+        >>> import json
+        >>> import tempfile
+        >>> class AlwaysNaN(PretrainModule):
+        ...     def compute_loss(self, logits, labels):
+        ...         return super().compute_loss(logits, labels) * float("nan")
+        >>> recovery = NaNRecovery(max_consecutive_skips=2, skip_batches=1, max_rollbacks=1)
+        >>> trainer = L.Trainer(
+        ...     max_steps=20, accelerator="cpu", limit_val_batches=0, logger=False, enable_progress_bar=False,
+        ...     enable_checkpointing=False, enable_model_summary=False, default_root_dir=tempfile.mkdtemp(),
+        ...     callbacks=[recovery],
+        ... )
+        >>> try:
+        ...     trainer.fit(AlwaysNaN(GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=16)),
+        ...                 TextDataModule(seq_len=16, batch_size=4))
+        ... except Exception as error:  # TrainingAborted; the CLI exits with code 3
+        ...     aborted = error
+        >>> type(aborted).__name__, aborted.checkpoint.is_file(), recovery.rollbacks
+        ('TrainingAborted', True, 1)
+        >>> print(json.loads(aborted.forensics.read_text())["reason"])
+        1 rollbacks did not stop the bad steps (last: non-finite loss (nan))
     """
 
     def __init__(

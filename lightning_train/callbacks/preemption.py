@@ -7,11 +7,6 @@ The signal handler only sets a flag. At the end of every optimizer step all rank
 part in ``trainer.save_checkpoint`` and raises ``Preempted`` (a ``SystemExit`` with code 75, or 130 for
 Ctrl-C). Restarting the same command with ``--resume auto`` continues from that checkpoint.
 
-    >>> import lightning as L
-    >>> from lightning.pytorch.callbacks import ModelCheckpoint
-    >>> from lightning_train.callbacks import PreemptionCheckpoint
-    >>> trainer = L.Trainer(callbacks=[ModelCheckpoint(every_n_train_steps=100), PreemptionCheckpoint()])
-
 It replaces Lightning's own SIGTERM handling for the training loop (which exits with code 0 and saves
 nothing), Lightning's SLURM auto-requeue handler on the same signals (which saves from inside the
 signal handler, mid-step) and Lightning's Ctrl-C handling (exit code 1, nothing saved); requeueing is
@@ -61,6 +56,32 @@ class PreemptionCheckpoint(Checkpoint):
     way, which loses nothing since no step was done yet. Being a ``Checkpoint`` callback, it runs after
     the other callbacks' ``on_train_batch_end``, so their state for the step is in the checkpoint. Like
     Lightning's ``OnExceptionCheckpoint``, list it after your ``ModelCheckpoint``.
+
+    Example (the job sends itself SIGTERM during step 2, as a scheduler would):
+
+        >>> import os
+        >>> import signal
+        >>> import tempfile
+        >>> import lightning as L
+        >>> from lightning_train import GPTConfig, PretrainModule, TextDataModule
+        >>> from lightning_train.callbacks import PreemptionCheckpoint
+        >>> class SigtermAtStep2(L.Callback):
+        ...     def on_before_optimizer_step(self, trainer, *args):
+        ...         if trainer.global_step == 1:
+        ...             os.kill(os.getpid(), signal.SIGTERM)
+        >>> trainer = L.Trainer(
+        ...     max_steps=10, accelerator="cpu", limit_val_batches=0, logger=False, enable_progress_bar=False,
+        ...     enable_model_summary=False, default_root_dir=tempfile.mkdtemp(),
+        ...     callbacks=[SigtermAtStep2(), PreemptionCheckpoint()],
+        ... )
+        >>> module = PretrainModule(GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=16))
+        >>> try:
+        ...     trainer.fit(module, TextDataModule(seq_len=16, batch_size=4))
+        ... except SystemExit as stop:  # Preempted
+        ...     print(stop.code, stop.step, os.path.basename(stop.checkpoint))  # doctest: +ELLIPSIS
+        Preempted (SIGTERM) after step 2: saving .../checkpoints/preempted.ckpt
+        Saved at step 2; exiting with code 75
+        75 2 preempted.ckpt
     """
 
     def __init__(

@@ -16,9 +16,8 @@ Lightning's TQDM bar, changed where a long training run needs it:
 - **A clean ending**: the bar is closed on its own line as soon as training ends (the last step, an
   early stop, an error or Ctrl-C), so later messages start on a new line.
 
-    >>> import lightning as L
-    >>> from lightning_train.callbacks.progress import TokenProgressBar
-    >>> trainer = L.Trainer(max_steps=600, callbacks=[TokenProgressBar()])  # doctest: +SKIP
+What a person sees during a run::
+
     Epoch 0:  12%|█▏        | 72/600 [00:09, 7.80step/s, train/loss=3.100, tok/s=16.0k, eta=0:01:08]
 
 In YAML (``trainer.callbacks``): ``- class_path: lightning_train.callbacks.progress.TokenProgressBar``.
@@ -49,6 +48,27 @@ class TokenProgressBar(TQDMProgressBar):
 
     Args:
         refresh_rate: redraw every this many optimizer steps (each redraw reads the loss to the host).
+
+    Example (the bar writes to stdout; here it is caught to read its last line):
+
+        >>> import contextlib
+        >>> import io
+        >>> import lightning as L
+        >>> from lightning_train import GPTConfig, PretrainModule, TextDataModule
+        >>> from lightning_train.callbacks import ThroughputMonitor, TokenProgressBar
+        >>> trainer = L.Trainer(
+        ...     max_steps=3, accelerator="cpu", log_every_n_steps=1, limit_val_batches=0, logger=False,
+        ...     enable_checkpointing=False, enable_model_summary=False,
+        ...     callbacks=[TokenProgressBar(), ThroughputMonitor()],
+        ... )
+        >>> module = PretrainModule(GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=16))
+        >>> with contextlib.redirect_stdout(io.StringIO()) as console:
+        ...     trainer.fit(module, TextDataModule(seq_len=16, batch_size=4))
+        >>> last_bar = console.getvalue().split("\\r")[-1]
+        >>> last_bar.startswith("Epoch 0: 100%"), "| 3/3 [" in last_bar
+        (True, True)
+        >>> all(f"{name}=" in last_bar for name in ("train/loss", "tok/s", "eta"))
+        True
     """
 
     BAR_FORMAT = "{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}, {rate_fmt}{postfix}]"

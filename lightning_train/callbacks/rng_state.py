@@ -5,11 +5,6 @@ Lightning's checkpoints carry no RNG state, and only rank zero writes the checkp
 gathers the states of all ranks (torch CPU, CUDA when present, numpy, Python's ``random``) into the
 checkpoint and gives each rank its own back when training restarts. The states are stored as tensors
 and plain lists, so the checkpoint still loads with ``torch.load(weights_only=True)``.
-
-    >>> import lightning as L
-    >>> from lightning_train.callbacks import RNGStateKeeper
-    >>> trainer = L.Trainer(callbacks=[RNGStateKeeper()], max_steps=10)  # doctest: +SKIP
-    >>> trainer.fit(module, datamodule, ckpt_path="runs/x/checkpoints/last.ckpt")  # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -31,6 +26,36 @@ class RNGStateKeeper(L.Callback):
     ``on_train_start``, after the data loaders were rebuilt, so the next training step sees exactly the
     random numbers the uninterrupted run saw. Resuming with another number of ranks keeps the fresh
     seeds (with a warning): exact continuation is impossible then anyway.
+
+    Example (a run resumed from its step-2 checkpoint draws what the uninterrupted run drew):
+
+        >>> import tempfile
+        >>> import lightning as L
+        >>> import torch
+        >>> from lightning.pytorch.callbacks import ModelCheckpoint
+        >>> from lightning_train import PretrainModule, TextDataModule
+        >>> from lightning_train.callbacks import RNGStateKeeper
+        >>> class RecordDraws(L.Callback):  # one random number a step, as dropout would draw
+        ...     def __init__(self):
+        ...         self.draws = []
+        ...     def on_train_batch_start(self, *args):
+        ...         self.draws.append(round(torch.rand(1).item(), 6))
+        >>> def train(max_steps, draws, ckpt_path=None):
+        ...     every_two_steps = ModelCheckpoint(folder, "{step}", every_n_train_steps=2, save_top_k=-1)
+        ...     trainer = L.Trainer(
+        ...         max_steps=max_steps, accelerator="cpu", limit_val_batches=0, logger=False,
+        ...         enable_progress_bar=False, enable_model_summary=False, default_root_dir=folder,
+        ...         callbacks=[RNGStateKeeper(), draws, every_two_steps],
+        ...     )
+        ...     module = PretrainModule(dict(n_layer=1, n_head=2, n_embd=32, block_size=16))
+        ...     trainer.fit(module, TextDataModule(seq_len=16, batch_size=4), ckpt_path=ckpt_path)
+        >>> folder = tempfile.mkdtemp()
+        >>> uninterrupted, resumed = RecordDraws(), RecordDraws()
+        >>> train(4, uninterrupted)
+        >>> _ = torch.manual_seed(0)  # a new process: other seeds
+        >>> train(4, resumed, ckpt_path=f"{folder}/step=2.ckpt")
+        >>> resumed.draws == uninterrupted.draws[2:]
+        True
     """
 
     def __init__(self) -> None:

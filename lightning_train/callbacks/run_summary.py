@@ -1,9 +1,5 @@
 """RunSummary: every fit ends with a few lines saying why it stopped, how it went and what to run next.
 
-    >>> import lightning as L
-    >>> from lightning_train.callbacks import RunSummary
-    >>> trainer = L.Trainer(max_steps=600, callbacks=[RunSummary()])  # doctest: +SKIP
-
 What a person sees at the end of ``python -m lightning_train fit --config configs/pretrain-tiny.yaml``::
 
     Run finished: val/loss 1.5480 reached the target (<= 1.55) at step 500 after 109.9 s (TimeToQuality)
@@ -55,6 +51,31 @@ class RunSummary(Callback):
         mode: "min" or "max": which value is the best.
         command: the command line that started this launch (the CLI passes it); the summary of an
             unfinished run then shows it with ``--resume auto`` as the way to continue.
+
+    Example (the numbers vary from run to run, hence the ``...``):
+
+        >>> import json
+        >>> import tempfile
+        >>> import lightning as L
+        >>> from lightning_train import GPTConfig, PretrainModule, TextDataModule
+        >>> from lightning_train.callbacks import RunSummary, ThroughputMonitor
+        >>> trainer = L.Trainer(
+        ...     max_steps=4, accelerator="cpu", log_every_n_steps=2, val_check_interval=2,
+        ...     limit_val_batches=2, logger=L.pytorch.loggers.CSVLogger(tempfile.mkdtemp()),
+        ...     enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False,
+        ...     callbacks=[ThroughputMonitor(), RunSummary(monitor="val/loss")],
+        ... )
+        >>> module = PretrainModule(GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=16))
+        >>> trainer.fit(module, TextDataModule(seq_len=16, batch_size=4))  # doctest: +ELLIPSIS
+        <BLANKLINE>
+        Run finished: max_steps=4 reached
+          val/loss    best ... (step ...), last ... (step 4)
+          throughput  ... tokens/s
+          metrics     .../version_0/metrics.csv
+          next        python -m lightning_train report ...
+        >>> summary = json.load(open(f"{trainer.log_dir}/summary.json"))
+        >>> summary["finished"], summary["reason"], summary["step"]
+        (True, 'max_steps', 4)
     """
 
     def __init__(

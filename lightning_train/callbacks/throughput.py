@@ -4,13 +4,6 @@ Averages over each logging interval: the wall clock is read (after synchronising
 only on logging steps, and tokens are counted from the batch's shape, so non-logging steps cost
 a few integer additions and never wait for the device. Lightning's own ``ThroughputMonitor``
 synchronises the device on every batch, hence this small one.
-
-    >>> import lightning as L
-    >>> from lightning_train import GPTConfig, PretrainModule, TextDataModule
-    >>> from lightning_train.callbacks import ThroughputMonitor
-    >>> trainer = L.Trainer(max_steps=20, callbacks=[ThroughputMonitor()])  # doctest: +SKIP
-    >>> module, data = PretrainModule(GPTConfig(n_layer=2, n_embd=64)), TextDataModule(seq_len=64)
-    >>> trainer.fit(module, data)  # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -66,6 +59,26 @@ class ThroughputMonitor(Callback):
         peak_flops: peak FLOP/s of one device in the training precision.
         token_key: key of the token ids in dict batches; tensor batches and the first element of
             tuple/list batches count as they are.
+
+    Example (with ``peak_flops`` given, MFU is logged on the CPU too):
+
+        >>> import csv
+        >>> import tempfile
+        >>> import lightning as L
+        >>> from lightning_train import GPTConfig, PretrainModule, TextDataModule
+        >>> from lightning_train.callbacks import ThroughputMonitor
+        >>> logger = L.pytorch.loggers.CSVLogger(tempfile.mkdtemp())
+        >>> trainer = L.Trainer(
+        ...     max_steps=4, accelerator="cpu", log_every_n_steps=2, limit_val_batches=0, logger=logger,
+        ...     enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False,
+        ...     callbacks=[ThroughputMonitor(peak_flops=1e12)],
+        ... )
+        >>> module = PretrainModule(GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=16))
+        >>> trainer.fit(module, TextDataModule(seq_len=16, batch_size=4))
+        >>> rows = list(csv.DictReader(open(f"{logger.log_dir}/metrics.csv")))
+        >>> rows = [row for row in rows if row["perf/tokens_per_sec"]]
+        >>> len(rows), all(float(r["perf/tokens_per_sec"]) > 0 and 0 < float(r["perf/mfu"]) < 1 for r in rows)
+        (2, True)
     """
 
     def __init__(

@@ -1,15 +1,4 @@
-"""TimeToQuality: MLPerf Training's yardstick, the wall-clock time to reach a validation target.
-
-    >>> import lightning as L
-    >>> from lightning_train import GPTConfig, PretrainModule, TextDataModule
-    >>> from lightning_train.callbacks import TimeToQuality
-    >>> stopper = TimeToQuality(target=2.5, monitor="val/loss", mode="min")
-    >>> trainer = L.Trainer(max_steps=2000, val_check_interval=50, callbacks=[stopper])  # doctest: +SKIP
-    >>> module, data = PretrainModule(GPTConfig(n_layer=2, n_embd=64)), TextDataModule(seq_len=64)
-    >>> trainer.fit(module, data)  # doctest: +SKIP
-    >>> stopper.result  # also in <trainer.log_dir>/time_to_quality.json  # doctest: +SKIP
-    {'reached': True, 'seconds': 41.7, 'step': 350, ...}
-"""
+"""TimeToQuality: MLPerf Training's yardstick, the wall-clock time to reach a validation target."""
 
 from __future__ import annotations
 
@@ -50,6 +39,26 @@ class TimeToQuality(Callback):
         target: the value to reach.
         monitor: a metric logged during validation (``trainer.callback_metrics``).
         mode: "min" (e.g. a loss) or "max" (e.g. an accuracy).
+
+    Example (an easy target, a loss below 6.0: reached at the first validation, which stops the run):
+
+        >>> import json
+        >>> import tempfile
+        >>> import lightning as L
+        >>> from lightning_train import GPTConfig, PretrainModule, TextDataModule
+        >>> from lightning_train.callbacks import TimeToQuality
+        >>> stopper = TimeToQuality(target=6.0, monitor="val/loss", mode="min")
+        >>> trainer = L.Trainer(
+        ...     max_steps=20, val_check_interval=2, limit_val_batches=2, accelerator="cpu", logger=False,
+        ...     enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False,
+        ...     default_root_dir=tempfile.mkdtemp(), callbacks=[stopper],
+        ... )
+        >>> module = PretrainModule(GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=16))
+        >>> trainer.fit(module, TextDataModule(seq_len=16, batch_size=4))
+        >>> stopper.result["reached"], stopper.result["step"], trainer.global_step
+        (True, 2, 2)
+        >>> json.load(open(f"{trainer.log_dir}/time_to_quality.json")) == stopper.result
+        True
     """
 
     def __init__(self, target: float, monitor: str = "val/loss", mode: str = "min") -> None:

@@ -66,6 +66,24 @@ def consolidate(checkpoint: str, output: str, overwrite: bool = False) -> Path:
         checkpoint: the checkpoint folder or file.
         output: folder to write into (created; refused when it is not empty, unless ``overwrite``).
         overwrite: replace the files of an earlier export in ``output``.
+
+    Example (from a ``.ckpt``; a sharded folder works the same):
+
+        >>> import tempfile
+        >>> import lightning as L
+        >>> from lightning_train import GPTConfig, PretrainModule, TextDataModule
+        >>> from lightning_train.checkpoint import consolidate, open_pretrained
+        >>> trainer = L.Trainer(
+        ...     max_steps=1, accelerator="cpu", limit_val_batches=0, logger=False, enable_progress_bar=False,
+        ...     enable_checkpointing=False, enable_model_summary=False,
+        ... )
+        >>> module = PretrainModule(GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=16))
+        >>> trainer.fit(module, TextDataModule(seq_len=16, batch_size=4))
+        >>> folder = tempfile.mkdtemp()
+        >>> trainer.save_checkpoint(f"{folder}/last.ckpt")
+        >>> weights = consolidate(f"{folder}/last.ckpt", f"{folder}/export")
+        >>> weights.name, open_pretrained(weights.parent).config == module.config
+        ('model.safetensors', True)
     """
     return export(checkpoint, output, format="safetensors", overwrite=overwrite)[0]
 

@@ -202,7 +202,26 @@ def sharded_folder_error(path: Path) -> UserInputError:
 def read_checkpoint(path: str | Path, map_location: Any = "cpu", mmap: bool = True) -> dict[str, Any]:
     """A checkpoint file verified (manifest, else zip CRCs), loaded safely and checked for its format
     version. ``mmap`` (the default) maps tensors instead of reading them: cheap when only the metadata
-    is needed."""
+    is needed.
+
+    Example (a file holding a Python object beyond tensors is refused, not unpickled):
+
+        >>> import datetime
+        >>> import tempfile
+        >>> import torch
+        >>> from lightning_train import UserInputError
+        >>> from lightning_train.checkpoint import AtomicCheckpointIO, read_checkpoint
+        >>> folder = tempfile.mkdtemp()
+        >>> AtomicCheckpointIO().save_checkpoint({"state_dict": {"w": torch.ones(2)}}, f"{folder}/ok.ckpt")
+        >>> read_checkpoint(f"{folder}/ok.ckpt")["state_dict"]["w"]
+        tensor([1., 1.])
+        >>> torch.save({"created": datetime.date(2024, 1, 1)}, f"{folder}/foreign.pt")
+        >>> try:
+        ...     read_checkpoint(f"{folder}/foreign.pt")
+        ... except UserInputError as error:
+        ...     print(str(error).split(",")[0].split("/")[-1])
+        foreign.pt holds Python objects beyond tensors (datetime.date)
+    """
     path = Path(path)
     if path.is_dir():
         raise sharded_folder_error(path)

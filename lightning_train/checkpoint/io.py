@@ -1,10 +1,6 @@
 """``AtomicCheckpointIO``: the Trainer's CheckpointIO plugin that writes checkpoints atomically with a
 manifest and loads them verified and safely (the protocol is in ``checkpoint/format.py``).
 
-    >>> import lightning as L
-    >>> from lightning_train.checkpoint import AtomicCheckpointIO
-    >>> trainer = L.Trainer(plugins=[AtomicCheckpointIO()], max_steps=10, logger=False)
-
 Retention ("keep the last K") is left to ``ModelCheckpoint``, which knows which files it still tracks
 as best: ``ModelCheckpoint(monitor="step", mode="max", save_top_k=K, every_n_train_steps=N)`` keeps
 the newest K; this plugin removes a manifest together with its checkpoint.
@@ -43,6 +39,26 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     checkpoint of a newer format. Loads are ``weights_only`` (no arbitrary code is unpickled) while still
     accepting the plain config dataclasses of lightning_train that modules keep in their hyperparameters.
     Remote paths (``s3://`` ...) fall back to Lightning's own transactional write without a manifest.
+
+    Example:
+
+        >>> import os
+        >>> import tempfile
+        >>> import lightning as L
+        >>> from lightning_train import GPTConfig, PretrainModule, TextDataModule
+        >>> from lightning_train.checkpoint import AtomicCheckpointIO, verify_checkpoint
+        >>> folder = tempfile.mkdtemp()
+        >>> trainer = L.Trainer(
+        ...     max_steps=2, accelerator="cpu", limit_val_batches=0, logger=False, enable_progress_bar=False,
+        ...     enable_model_summary=False, default_root_dir=folder, plugins=[AtomicCheckpointIO()],
+        ... )
+        >>> module = PretrainModule(GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=16))
+        >>> trainer.fit(module, TextDataModule(seq_len=16, batch_size=4))
+        >>> sorted(os.listdir(f"{folder}/checkpoints"))
+        ['epoch=0-step=2.ckpt', 'epoch=0-step=2.ckpt.manifest.json']
+        >>> manifest = verify_checkpoint(f"{folder}/checkpoints/epoch=0-step=2.ckpt")  # or raises
+        >>> manifest["global_step"], list(manifest["files"])  # each file's size and sha256
+        (2, ['epoch=0-step=2.ckpt'])
     """
 
     def __init__(self) -> None:

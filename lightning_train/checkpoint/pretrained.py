@@ -9,11 +9,6 @@ local Hugging Face GPT-2 / Llama folder. What the model is and how it is named c
 Nothing here unpickles arbitrary code: ``.safetensors`` files hold raw tensors only, and pickle-format
 files (``.ckpt``, ``.pt``, ``.bin``) are verified, then read with ``torch.load(weights_only=True)``
 (``format.read_checkpoint``). ``allow_pickle=False`` refuses pickle-format files altogether.
-
-    >>> pretrained = open_pretrained("runs/pretrain-tiny/checkpoints/last.ckpt")  # doctest: +SKIP
-    >>> pretrained.config.n_layer, pretrained.tokenizer  # doctest: +SKIP
-    (4, 'byte')
-    >>> model = pretrained.build()  # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -52,7 +47,31 @@ StateDict = dict[str, torch.Tensor]
 class Pretrained:
     """What a weights source provides: the model's config, its tokenizer spec (``"byte"``, a path
     for ``load_tokenizer``, or None when unknown) and a function returning the full state dict in
-    our GPT's key names (deferred, so a caller can read the config without loading the weights)."""
+    our GPT's key names (deferred, so a caller can read the config without loading the weights).
+
+    Example (from the ``.ckpt`` of a short pretraining run):
+
+        >>> import tempfile
+        >>> import lightning as L
+        >>> import torch
+        >>> from lightning_train import GPTConfig, PretrainModule, TextDataModule
+        >>> from lightning_train.checkpoint import open_pretrained
+        >>> trainer = L.Trainer(
+        ...     max_steps=2, accelerator="cpu", limit_val_batches=0, logger=False, enable_progress_bar=False,
+        ...     enable_checkpointing=False, enable_model_summary=False,
+        ... )
+        >>> module = PretrainModule(GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=16))
+        >>> trainer.fit(module, TextDataModule(seq_len=16, batch_size=4))
+        >>> checkpoint = f"{tempfile.mkdtemp()}/last.ckpt"
+        >>> trainer.save_checkpoint(checkpoint)
+        >>> pretrained = open_pretrained(checkpoint)
+        >>> pretrained.config == module.config, pretrained.tokenizer
+        (True, 'byte')
+        >>> model = pretrained.build()  # a plain GPT on the CPU, in eval mode
+        >>> tokens = torch.tensor([[1, 2, 3]])
+        >>> torch.equal(model(tokens), module.model.eval()(tokens))
+        True
+    """
 
     source: str
     config: GPTConfig

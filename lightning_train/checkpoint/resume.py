@@ -5,9 +5,31 @@ step its manifest records, then by modification time — verifying each candidat
 skipping (with a warning) the ones that are truncated or corrupt. A job script can therefore simply rerun
 the same command after a crash or a preemption. With no checkpoint it starts fresh and says so.
 
-    >>> from lightning_train.checkpoint import resolve_resume
-    >>> resolve_resume("auto", "runs/pretrain-tiny/checkpoints")  # doctest: +SKIP
-    'runs/pretrain-tiny/checkpoints/preempted.ckpt'
+Example (the newest of two checkpoints is truncated, as a crash during a copy would leave it)::
+
+    >>> import os
+    >>> import tempfile
+    >>> import lightning as L
+    >>> from lightning.pytorch.callbacks import ModelCheckpoint
+    >>> from lightning_train import GPTConfig, PretrainModule, TextDataModule
+    >>> from lightning_train.checkpoint import AtomicCheckpointIO, resolve_resume
+    >>> folder = tempfile.mkdtemp()
+    >>> trainer = L.Trainer(
+    ...     max_steps=4, accelerator="cpu", limit_val_batches=0, logger=False, enable_progress_bar=False,
+    ...     enable_model_summary=False, plugins=[AtomicCheckpointIO()],
+    ...     callbacks=[ModelCheckpoint(folder, "{step}", every_n_train_steps=2, save_top_k=-1)],
+    ... )
+    >>> module = PretrainModule(GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=16))
+    >>> trainer.fit(module, TextDataModule(seq_len=16, batch_size=4))
+    >>> os.path.basename(resolve_resume("auto", folder))
+    'step=4.ckpt'
+    >>> os.truncate(f"{folder}/step=4.ckpt", 100)
+    >>> os.path.basename(resolve_resume("auto", folder))  # verified against its manifest: skipped
+    'step=2.ckpt'
+    >>> resolve_resume("auto", tempfile.mkdtemp()) is None  # no checkpoint: start fresh
+    True
+    >>> resolve_resume("none", folder) is None
+    True
 
 A named PATH must exist: a checkpoint file is verified and read safely, a checkpoint folder verified
 (a corrupt or unsafe one is an error, never silently replaced by another); a folder of checkpoints
@@ -106,7 +128,23 @@ def _age_key(path: Path) -> tuple[int, float]:
 
 def checkpoint_mismatch_error(error: BaseException, checkpoint: str | None) -> UserInputError | None:
     """A one-line ``UserInputError`` for torch's "Error(s) in loading state_dict" when the checkpoint was
-    written by a model of another shape (names the mismatched keys and shapes); None for other errors."""
+    written by a model of another shape (names the mismatched keys and shapes); None for other errors.
+
+    Example:
+
+        >>> from lightning_train import GPT, GPTConfig
+        >>> from lightning_train.checkpoint import checkpoint_mismatch_error
+        >>> small = GPT(GPTConfig(vocab_size=258, block_size=16, n_layer=1, n_head=2, n_embd=32))
+        >>> wide = GPT(GPTConfig(vocab_size=258, block_size=16, n_layer=1, n_head=2, n_embd=64))
+        >>> try:
+        ...     small.load_state_dict(wide.state_dict())
+        ... except RuntimeError as error:
+        ...     message = str(checkpoint_mismatch_error(error, "last.ckpt"))
+        >>> message.startswith("checkpoint last.ckpt does not fit this model (size mismatch for embed.weight")
+        True
+        >>> checkpoint_mismatch_error(ValueError("something else"), "last.ckpt") is None
+        True
+    """
     text = str(error)
     if not checkpoint or not text.startswith("Error(s) in loading state_dict"):
         return None

@@ -148,6 +148,26 @@ def load_sharded_model_state(
     ``prefix`` is where the network sits inside the saved LightningModule (``PretrainModule.model``);
     pass ``""`` for a LightningModule. ``strict=False`` leaves parameters the checkpoint lacks (e.g.
     new LoRA adapters) as they are; shapes must match either way.
+
+    Example (a folder as ``DataParallelStrategy`` writes it, here from one process):
+
+        >>> import os
+        >>> import tempfile
+        >>> import torch
+        >>> from lightning_train import GPT, GPTConfig
+        >>> from lightning_train.checkpoint import load_sharded_model_state
+        >>> from lightning_train.checkpoint.sharded import save_sharded_checkpoint
+        >>> config = GPTConfig(vocab_size=258, block_size=16, n_layer=1, n_head=2, n_embd=32)
+        >>> trained, folder = GPT(config), f"{tempfile.mkdtemp()}/step=2"
+        >>> module_state = {f"model.{name}": tensor for name, tensor in trained.state_dict().items()}
+        >>> checkpoint = {"state_dict": module_state, "hyper_parameters": {"config": config}}
+        >>> save_sharded_checkpoint(checkpoint, folder, is_writer=True, barrier=lambda: None)
+        >>> sorted(os.listdir(folder))
+        ['.metadata', '__0_0.distcp', 'manifest.json', 'meta.pt']
+        >>> fresh = GPT(config)
+        >>> load_sharded_model_state(folder, fresh)
+        >>> all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), trained.state_dict().values()))
+        True
     """
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 

@@ -60,7 +60,31 @@ SUBCOMMANDS = {
 
 class LightningTrainCLI(LightningCLI):
     """LightningCLI with this package's run layout and defaults (seed 1234, CSV metrics, checkpoints
-    under ``<default_root_dir>/checkpoints``)."""
+    under ``<default_root_dir>/checkpoints``).
+
+    Example (what ``python -m lightning_train fit ...`` runs; the numbers vary, hence the ``...``):
+
+        >>> import os
+        >>> import tempfile
+        >>> from lightning_train.cli.trainer import LightningTrainCLI
+        >>> run_dir = f"{tempfile.mkdtemp()}/tiny"
+        >>> cli = LightningTrainCLI(args=[
+        ...     "fit", "--model", "PretrainModule", "--data", "TextDataModule",
+        ...     "--model.config", '{"n_layer": 1, "n_head": 2, "n_embd": 32, "block_size": 16}',
+        ...     "--data.seq_len", "16", "--data.batch_size", "4", "--trainer.max_steps", "2",
+        ...     "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
+        ...     "--trainer.default_root_dir", run_dir,
+        ... ])  # doctest: +ELLIPSIS
+        <BLANKLINE>
+        Run finished: max_steps=2 reached
+          checkpoint  .../tiny/checkpoints/last.ckpt (step 2)
+          metrics     .../tiny/version_0/metrics.csv
+          next        python -m lightning_train report ...
+        >>> cli.trainer.global_step, sorted(os.listdir(run_dir))
+        (2, ['checkpoints', 'version_0'])
+        >>> {"config.yaml", "summary.json"} <= set(os.listdir(f"{run_dir}/version_0"))  # this launch's
+        True
+    """
 
     def __init__(self, args: list[str] | None = None, **kwargs: Any) -> None:
         kwargs.setdefault("seed_everything_default", 1234)

@@ -39,6 +39,15 @@ def default_corpus_dir() -> Path:
 
     Safe when several processes race: each builds into a temporary folder and renames it into place; the
     losers find the winner's dataset and use it.
+
+    Example (under ``$LIGHTNING_TRAIN_CACHE``, default ``~/.cache/lightning_train``):
+
+        >>> from lightning_train.data import default_corpus_dir, read_meta
+        >>> folder = default_corpus_dir()
+        >>> folder.name.startswith("stdlib-py-byte-"), read_meta(folder)["tokenizer"]
+        (True, 'byte')
+        >>> read_meta(folder)["total_tokens"] > 1_000_000  # a few MB of Python source
+        True
     """
     out = cache_dir() / f"stdlib-py-byte-{platform.python_version()}-v{FORMAT_VERSION}"
     if (out / "meta.json").is_file():

@@ -73,6 +73,21 @@ class GlobalOrderSampler(DistributedSampler):
     batches ahead; those do not count): the epoch and ``consumed``, the global samples of the epoch drawn or
     skipped, the skips asked for after that batch was drawn, and what the position is only valid for
     (dataset size and seed).
+
+    Example (two ranks together draw the one-rank order; a skip jumps over whole global batches):
+
+        >>> from lightning_train.data import GlobalOrderSampler
+        >>> dataset = list(range(12))
+        >>> one_rank = list(GlobalOrderSampler(dataset, num_replicas=1, rank=0, seed=0, batch_size=4))
+        >>> sorted(one_rank) == dataset
+        True
+        >>> ranks = [GlobalOrderSampler(dataset, 2, rank, seed=0, batch_size=2) for rank in (0, 1)]
+        >>> [sample for pair in zip(*map(list, ranks)) for sample in pair] == one_rank
+        True
+        >>> sampler = GlobalOrderSampler(dataset, num_replicas=1, rank=0, seed=0, batch_size=4)
+        >>> sampler.skip_batches(1)
+        >>> list(sampler) == one_rank[4:]
+        True
     """
 
     def __init__(
@@ -240,7 +255,29 @@ class GlobalOrderSampler(DistributedSampler):
 
 class ResumableLoader(DataLoader):
     """A ``DataLoader`` over a ``GlobalOrderSampler`` whose ``state_dict`` is the sampler's position after the
-    last batch handed out; independent of the world size and the number of workers."""
+    last batch handed out; independent of the world size and the number of workers.
+
+    Example (a position saved on one rank, resumed on two):
+
+        >>> import torch
+        >>> from lightning_train.data import GlobalOrderSampler, ResumableLoader
+        >>> dataset = torch.arange(24)
+        >>> def loader(num_replicas, rank, batch_size):
+        ...     sampler = GlobalOrderSampler(dataset, num_replicas, rank, seed=0, batch_size=batch_size)
+        ...     return ResumableLoader(dataset, batch_size=batch_size, sampler=sampler)
+        >>> single = loader(1, 0, batch_size=4)
+        >>> batches = iter(single)
+        >>> first, second = next(batches), next(batches)
+        >>> state = single.state_dict()  # what a checkpoint keeps
+        >>> state["consumed"]
+        8
+        >>> two_ranks = [loader(2, rank, batch_size=2) for rank in (0, 1)]
+        >>> for rank_loader in two_ranks:
+        ...     rank_loader.load_state_dict(state)
+        >>> resumed = torch.cat([next(iter(rank_loader)) for rank_loader in two_ranks])
+        >>> sorted(resumed.tolist()) == sorted(next(batches).tolist())  # the uninterrupted run's third batch
+        True
+    """
 
     sampler: GlobalOrderSampler
 

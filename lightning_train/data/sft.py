@@ -17,8 +17,6 @@ several examples into one row is not offered, since our GPT has no document mask
 examples from attending to each other. The loaders are ``TextDataModule``'s (``data/loading.py``): a
 resumed run continues with the next unseen example, at any device count, and
 ``train_loader.sampler.skip_batches(n)`` jumps over examples without loading them.
-
-    >>> data = SFTDataModule("train.jsonl", "val.jsonl", tokenizer="byte", seq_len=256)  # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -172,6 +170,25 @@ class SFTDataModule(ResumableDataModule):
         eval_prompts: held-out prompts whose greedy generations are scored by exact match.
         seed: seeds the example order (epoch ``e`` uses the permutation for ``(seed, e)``) and the split.
         num_workers: data-loading processes per device.
+
+    Example (only the response and its eos carry loss):
+
+        >>> import json
+        >>> import tempfile
+        >>> from pathlib import Path
+        >>> from lightning_train import SFTDataModule
+        >>> train_file = Path(tempfile.mkdtemp()) / "train.jsonl"
+        >>> rows = [{"prompt": f"{n} + 1 = ", "response": f"{n + 1}"} for n in range(40)]
+        >>> _ = train_file.write_text("".join(json.dumps(row) + "\\n" for row in rows))
+        >>> data = SFTDataModule(str(train_file), tokenizer="byte", seq_len=32, batch_size=4)
+        >>> data.setup("fit")
+        >>> batch = next(iter(data.train_dataloader()))
+        >>> batch["input_ids"].shape, batch["labels"].shape  # padded to the longest example of the batch
+        (torch.Size([4, 11]), torch.Size([4, 11]))
+        >>> data.tokenizer.decode(batch["input_ids"][0].tolist())
+        '12 + 1 = 13'
+        >>> data.tokenizer.decode([label for label in batch["labels"][0].tolist() if label != -100])
+        '13<|endoftext|>'
     """
 
     def __init__(

@@ -104,6 +104,29 @@ def prepare(
         num_workers: tokenizer processes; ``None`` uses every available core, 0 or 1 tokenizes in-process.
         shard_tokens: tokens per shard file.
         overwrite: replace an existing non-empty ``output_dir`` instead of refusing.
+
+    Example (a folder of 20 small files; the progress bar's width and time vary, hence the ``...``):
+
+        >>> import tempfile
+        >>> from pathlib import Path
+        >>> from lightning_train.data import TextDataModule, prepare, read_meta
+        >>> folder = Path(tempfile.mkdtemp())
+        >>> (folder / "code").mkdir()
+        >>> for n in range(20):
+        ...     _ = (folder / "code" / f"f{n:02}.py").write_text(f"def f{n}(x):\\n    return x + {n}\\n" * 10)
+        >>> prepared = prepare([str(folder / "code")], str(folder / "data"), val_fraction=0.1, num_workers=0)
+        ... # doctest: +ELLIPSIS
+        tokenizing ... tokens ...
+        >>> text_bytes = sum(path.stat().st_size for path in (folder / "code").iterdir())
+        >>> prepared.input_files, prepared.total_tokens == text_bytes + 20  # + one end token per file
+        (20, True)
+        >>> 0 < prepared.val_tokens < prepared.train_tokens
+        True
+        >>> meta = read_meta(prepared.output_dir)  # checked: every shard there, of the listed size
+        >>> meta["tokenizer"], meta["vocab_size"], [shard["split"] for shard in meta["shards"]]
+        ('byte', 258, ['train', 'val'])
+        >>> TextDataModule(str(prepared.output_dir), seq_len=16).vocab_size
+        258
     """
     if isinstance(inputs, (str, Path)):
         inputs = [inputs]

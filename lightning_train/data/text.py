@@ -64,6 +64,22 @@ class TextDataModule(ResumableDataModule):
         num_workers: data-loading processes per device (0 loads in the training process).
         val_batches: validation batches (of ``batch_size`` windows, spread evenly over the val split and the
             same every time); ``None`` uses every val window.
+
+    Example (the default corpus; ``prepare`` makes a dataset folder of your own text):
+
+        >>> import torch
+        >>> from lightning_train import TextDataModule
+        >>> data = TextDataModule(seq_len=16, batch_size=4, val_batches=2)
+        >>> data.setup("fit")
+        >>> batch = next(iter(data.train_dataloader()))
+        >>> batch["input_ids"].shape, batch["input_ids"].dtype
+        (torch.Size([4, 16]), torch.int64)
+        >>> torch.equal(batch["labels"][:, :-1], batch["input_ids"][:, 1:])  # the next token of each position
+        True
+        >>> data.vocab_size, data.tokenizer.decode(batch["input_ids"][0].tolist()) != ""
+        (258, True)
+        >>> len(data.val_dataloader())  # the same 2 batches at every validation
+        2
     """
 
     def __init__(

@@ -18,6 +18,18 @@ PAD_CANDIDATES = ("<|pad|>", "<pad>", "[PAD]", "<|padding|>")
 
 
 class Tokenizer(Protocol):
+    """What the data modules, ``prepare`` and generation need of a tokenizer (``ByteTokenizer``,
+    ``HFTokenizer`` or one of your own with these attributes and methods).
+
+    Example:
+
+        >>> from lightning_train.data import ByteTokenizer, Tokenizer
+        >>> def round_trip(tokenizer: Tokenizer, text: str) -> str:
+        ...     return tokenizer.decode(tokenizer.encode(text) + [tokenizer.eos_id])
+        >>> round_trip(ByteTokenizer(), "def f(): pass")
+        'def f(): pass<|endoftext|>'
+    """
+
     name: str
     vocab_size: int
     eos_id: int
@@ -29,7 +41,17 @@ class Tokenizer(Protocol):
 
 
 class ByteTokenizer:
-    """UTF-8 bytes are ids 0..255; ``<|endoftext|>`` (256) ends a document, ``<|pad|>`` (257) pads."""
+    """UTF-8 bytes are ids 0..255; ``<|endoftext|>`` (256) ends a document, ``<|pad|>`` (257) pads.
+
+    Example:
+
+        >>> from lightning_train.data import ByteTokenizer
+        >>> tokenizer = ByteTokenizer()
+        >>> tokenizer.encode("hé!")  # é is two UTF-8 bytes
+        [104, 195, 169, 33]
+        >>> tokenizer.decode([104, 195, 169, 33, tokenizer.eos_id]), tokenizer.vocab_size
+        ('hé!<|endoftext|>', 258)
+    """
 
     name = "byte"
     eos_id = 256
@@ -63,6 +85,22 @@ class HFTokenizer:
 
     The eos and pad tokens come from the arguments, else from a ``tokenizer_config.json`` next to the file
     (as in Hugging Face model folders), else from common names. Without a pad token, padding uses eos.
+
+    Example (a tiny word-level ``tokenizer.json`` built on the spot; a model folder's works the same):
+
+        >>> import tempfile
+        >>> from tokenizers import Tokenizer, models, pre_tokenizers
+        >>> from lightning_train.data import HFTokenizer
+        >>> vocab = {"<|endoftext|>": 0, "hello": 1, "world": 2, "[UNK]": 3}
+        >>> hf = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+        >>> hf.pre_tokenizer = pre_tokenizers.Whitespace()
+        >>> path = f"{tempfile.mkdtemp()}/tokenizer.json"
+        >>> hf.save(path)
+        >>> tokenizer = HFTokenizer(path)
+        >>> tokenizer.encode("hello world"), tokenizer.eos_id, tokenizer.pad_id, tokenizer.vocab_size
+        ([1, 2], 0, 0, 4)
+        >>> tokenizer.decode([1, 2, 0])
+        'hello world <|endoftext|>'
     """
 
     def __init__(self, path: str | Path, eos_token: str | None = None, pad_token: str | None = None) -> None:
@@ -135,7 +173,20 @@ def _read_tokenizer_config(path: Path) -> dict[str, str]:
 
 
 def load_tokenizer(spec: str = "byte") -> Tokenizer:
-    """``"byte"`` or the path of a Hugging Face ``tokenizer.json`` (or of a folder containing one)."""
+    """``"byte"`` or the path of a Hugging Face ``tokenizer.json`` (or of a folder containing one).
+
+    Example:
+
+        >>> from lightning_train import UserInputError
+        >>> from lightning_train.data import load_tokenizer
+        >>> load_tokenizer("byte")
+        ByteTokenizer()
+        >>> try:
+        ...     load_tokenizer("no/such/tokenizer.json")
+        ... except UserInputError as error:
+        ...     print(error)  # doctest: +ELLIPSIS
+        tokenizer 'no/such/tokenizer.json' not found: use 'byte' or the path of a Hugging Face ...
+    """
     if spec == "byte":
         return ByteTokenizer()
     path = Path(spec).expanduser()

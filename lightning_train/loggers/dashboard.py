@@ -89,7 +89,18 @@ SUMMARIES: dict[str, str] = {
 def dashboard_spec(name: str = "lightning_train", entity: str | None = None, project: str | None = None,
                    logged_metrics: list[str] | None = None) -> dict[str, Any]:
     """The workspace view as plain data. ``logged_metrics`` (e.g. a run's CSV columns) fills in the
-    per-group panels; without it they are left out (there is nothing to list yet)."""
+    per-group panels; without it they are left out (there is nothing to list yet).
+
+    Example:
+
+        >>> from lightning_train.loggers.dashboard import dashboard_spec
+        >>> spec = dashboard_spec(project="llm", logged_metrics=["health/grad_norm/block.0", "train/loss"])
+        >>> spec["x_axis"], [section["prefix"] for section in spec["sections"]][:2]
+        ('trainer/global_step', ['train/', 'val/'])
+        >>> health = next(section for section in spec["sections"] if section["name"] == "health")
+        >>> any("health/grad_norm/block.0" in panel["metrics"] for panel in health["panels"])
+        True
+    """
     logged = logged_metrics or []
     sections = []
     for namespace, panels in SECTIONS.items():

@@ -76,6 +76,28 @@ def report(run_dir: str, output_dir: str | None = None, launch: str | None = Non
     Returns:
         What ``report.json`` holds: the page, the run's launches and every launch of the folder, the
         points per plotted series, and the notes on what was not plotted.
+
+    Example (a run that logs only the loss and the LR; the health callbacks add their plots):
+
+        >>> import os
+        >>> import tempfile
+        >>> import lightning as L
+        >>> from lightning_train import GPTConfig, PretrainModule, TextDataModule
+        >>> from lightning_train.loggers.report import report
+        >>> run_dir = tempfile.mkdtemp()
+        >>> trainer = L.Trainer(
+        ...     max_steps=4, accelerator="cpu", log_every_n_steps=1, val_check_interval=2,
+        ...     limit_val_batches=2, default_root_dir=run_dir,
+        ...     logger=L.pytorch.loggers.CSVLogger(run_dir, name=""),  # run_dir/version_0/metrics.csv
+        ...     enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False,
+        ... )
+        >>> module = PretrainModule(GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=16))
+        >>> trainer.fit(module, TextDataModule(seq_len=16, batch_size=4))
+        >>> result = report(run_dir)
+        >>> sorted(os.listdir(f"{run_dir}/report"))
+        ['loss.png', 'lr.png', 'report.html', 'report.json']
+        >>> any("ThroughputMonitor" in note for note in result["notes"])  # what it could not plot, and why
+        True
     """
     run = load_run(run_dir, launch)
     out = Path(output_dir) if output_dir else Path(run_dir) / "report"

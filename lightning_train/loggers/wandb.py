@@ -91,6 +91,27 @@ class WandbLogger(LightningWandbLogger):
         log_all_ranks: one W&B run per rank (same group) instead of one run written by rank zero.
         init_timeout: seconds to wait for W&B to start before falling back to offline mode.
         **kwargs: the rest of Lightning's ``WandbLogger`` and ``wandb.init`` arguments.
+
+    Example (offline: no account, no network; ``wandb sync`` uploads the run later):
+
+        >>> import os
+        >>> import tempfile
+        >>> import lightning as L
+        >>> from lightning_train import GPTConfig, PretrainModule, TextDataModule
+        >>> from lightning_train.loggers import WandbLogger
+        >>> folder = tempfile.mkdtemp()
+        >>> logger = WandbLogger(project="doctest", save_dir=folder, offline=True)
+        >>> trainer = L.Trainer(
+        ...     max_steps=2, accelerator="cpu", log_every_n_steps=1, limit_val_batches=0, logger=logger,
+        ...     enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False,
+        ... )
+        >>> module = PretrainModule(GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=16))
+        >>> trainer.fit(module, TextDataModule(seq_len=16, batch_size=4))
+        >>> logger.experiment.tags, logger.experiment.config["config"]["n_embd"]
+        (('pretrain',), 32)
+        >>> logger.experiment.finish()  # a script's run finishes at exit
+        >>> any(name.startswith("offline-run-") for name in os.listdir(f"{folder}/wandb"))
+        True
     """
 
     def __init__(

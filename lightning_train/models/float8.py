@@ -7,9 +7,17 @@ dtype. torchao reports its gains on wide matmuls (thousands of features); on a m
 124M the casts can cost what the faster matmuls save. It needs ``torch.compile`` to fuse the casts.
 Convert before compiling and before a strategy shards the model; ``PretrainModule(float8=True)`` does.
 
+    >>> from lightning_train import UserInputError
     >>> from lightning_train.models.float8 import check_float8_device, convert_to_float8
-    >>> check_float8_device("cuda")  # doctest: +SKIP
-    >>> model = convert_to_float8(GPT(GPTConfig(vocab_size=258, n_embd=2048, n_head=16)))  # doctest: +SKIP
+    >>> from lightning_train.models.gpt import GPT, GPTConfig
+    >>> model = convert_to_float8(GPT(GPTConfig(vocab_size=258, n_layer=1, n_embd=64, n_head=4)))
+    >>> [name for name, module in model.named_modules() if type(module).__name__ == "Float8Linear"]
+    ['blocks.0.attn.qkv', 'blocks.0.attn.proj', 'blocks.0.mlp.gate', 'blocks.0.mlp.up', 'blocks.0.mlp.down']
+    >>> try:  # the conversion runs anywhere; the float8 matmuls need an FP8 GPU
+    ...     check_float8_device("cpu")
+    ... except UserInputError as error:
+    ...     print(error)  # doctest: +ELLIPSIS
+    float8 training needs a CUDA GPU with compute capability >= 8.9 ..., but this run is on 'cpu'; ...
 """
 
 from __future__ import annotations

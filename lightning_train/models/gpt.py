@@ -6,10 +6,6 @@ without tuning, and Llama-family checkpoints map onto it weight for weight. The 
 describe a GPT-2 block (LayerNorm with bias, learned positions, GELU MLP) so GPT-2 checkpoints map
 onto it too. Attention runs through ``scaled_dot_product_attention`` (flash/memory-efficient kernels
 where the device has them).
-
-    >>> model = GPT(GPTConfig(vocab_size=256, block_size=64, n_layer=2, n_head=2, n_embd=32))
-    >>> model(torch.zeros(1, 8, dtype=torch.long)).shape
-    torch.Size([1, 8, 256])
 """
 
 from __future__ import annotations
@@ -25,7 +21,21 @@ from torch import nn
 
 @dataclass
 class GPTConfig:
-    """Shape and flavour of the model. The defaults are a small Llama-style model."""
+    """Shape and flavour of the model. The defaults are a small Llama-style model.
+
+    Example (the Llama-style default and a GPT-2 block of the same width):
+
+        >>> from lightning_train import GPT, GPTConfig
+        >>> llama = GPTConfig(vocab_size=258, n_layer=2, n_head=4, n_kv_head=2, n_embd=64)
+        >>> llama.head_dim, llama.intermediate_size  # SwiGLU: ~8/3 of n_embd, rounded up to 32
+        (16, 192)
+        >>> gpt2 = GPTConfig(
+        ...     vocab_size=258, n_layer=2, n_head=4, n_embd=64, norm="layernorm", position="learned",
+        ...     mlp="gelu", bias=True,
+        ... )
+        >>> gpt2.intermediate_size, GPT(gpt2).num_params() > GPT(llama).num_params()
+        (256, True)
+    """
 
     vocab_size: int | None = None  # None: the data's (PretrainModule/FinetuneModule fill it in)
     block_size: int = 256  # longest context the model accepts
@@ -104,7 +114,20 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 class KVCache:
-    """Keys and values of past positions for incremental decoding, one entry per block."""
+    """Keys and values of past positions for incremental decoding, one entry per block.
+
+    Example (decoding one token at a time with the cache gives the logits of the full sequence):
+
+        >>> import torch
+        >>> from lightning_train.models import GPT, GPTConfig, KVCache
+        >>> model = GPT(GPTConfig(vocab_size=258, block_size=16, n_layer=2, n_head=2, n_embd=32)).eval()
+        >>> tokens = torch.tensor([[5, 6, 7, 8]])
+        >>> cache = KVCache(model.config.n_layer)
+        >>> first = model(tokens[:, :3], cache)  # the prompt, once
+        >>> last = model(tokens[:, 3:], cache)  # then only the new token
+        >>> cache.length, torch.allclose(last[:, -1], model(tokens)[:, -1], atol=1e-5)
+        (4, True)
+    """
 
     def __init__(self, n_layer: int) -> None:
         self.keys: list[torch.Tensor | None] = [None] * n_layer
@@ -176,7 +199,17 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
+    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x)).
+
+    Example (the block keeps the shape of the residual stream):
+
+        >>> import torch
+        >>> from lightning_train.models import GPT, Block, GPTConfig
+        >>> config = GPTConfig(vocab_size=258, block_size=16, n_layer=1, n_head=2, n_embd=32)
+        >>> block, rope = Block(config, layer=0), GPT(config).rope
+        >>> block(torch.randn(2, 8, 32), rope(torch.arange(8))).shape
+        torch.Size([2, 8, 32])
+    """
 
     def __init__(self, config: GPTConfig, layer: int) -> None:
         super().__init__()
@@ -197,6 +230,21 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
+    """The language model: token embedding, ``n_layer`` ``Block``s, a final norm and the lm_head.
+
+    Example:
+
+        >>> import torch
+        >>> from lightning_train import GPT, GPTConfig
+        >>> model = GPT(GPTConfig(vocab_size=258, block_size=16, n_layer=1, n_head=2, n_embd=32))
+        >>> model(torch.zeros(1, 8, dtype=torch.long)).shape  # (batch, tokens, vocabulary) logits
+        torch.Size([1, 8, 258])
+        >>> model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=4, temperature=0).shape  # greedy
+        torch.Size([1, 7])
+        >>> model.num_params() == sum(p.numel() for p in model.parameters())  # the tied lm_head once
+        True
+    """
+
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         if config.vocab_size is None:

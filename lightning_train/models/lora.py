@@ -4,12 +4,6 @@ peft's ``inject_adapter_in_model`` works on any ``nn.Module``: it swaps the targ
 layers for LoRA layers in place (the frozen weight moves to ``<name>.base_layer``; ``lora_A``/``lora_B``
 are added) and freezes everything else. The model stays our ``GPT``, so generation, FSDP wrapping
 and checkpointing work unchanged; ``merge_lora`` folds the adapters back into plain ``nn.Linear``s.
-
-    >>> from lightning_train.models.gpt import GPT, GPTConfig
-    >>> model = apply_lora(GPT(GPTConfig(vocab_size=258, n_layer=1, n_embd=32, n_head=2)), LoRAConfig(rank=4))
-    >>> sorted({n.split(".")[-3] for n, p in model.named_parameters() if p.requires_grad})
-    ['lora_A', 'lora_B']
-    >>> model = merge_lora(model)  # plain GPT again, adapters folded into the weights
 """
 
 from __future__ import annotations
@@ -35,6 +29,24 @@ class LoRAConfig:
         target_modules: names (last component) of the ``nn.Linear`` layers to adapt; our GPT's are
             ``qkv`` and ``proj`` (attention), ``gate`` (SwiGLU only), ``up`` and ``down`` (MLP).
             None: every one of those the model has.
+
+    Example (``FinetuneModule(lora=LoRAConfig(...))`` does the same inside a Trainer):
+
+        >>> import torch
+        >>> from lightning_train import GPT, GPTConfig, LoRAConfig
+        >>> from lightning_train.models.lora import apply_lora, merge_lora
+        >>> model = GPT(GPTConfig(vocab_size=258, block_size=16, n_layer=1, n_embd=32, n_head=2))
+        >>> model = apply_lora(model, LoRAConfig(rank=4, target_modules=["qkv", "proj"]))
+        >>> sorted({n.split(".")[-4] for n, p in model.named_parameters() if p.requires_grad})
+        ['proj', 'qkv']
+        >>> with torch.no_grad():  # as if trained: B starts at zero, so a fresh adapter changes nothing
+        ...     for name, param in model.named_parameters():
+        ...         _ = param.normal_(std=0.1) if "lora_B" in name else None
+        >>> tokens = torch.tensor([[1, 2, 3]])
+        >>> with_adapters = model(tokens)
+        >>> model = merge_lora(model)  # plain nn.Linear layers again, the adapters folded into the weights
+        >>> type(model.blocks[0].attn.qkv).__name__, torch.allclose(model(tokens), with_adapters, atol=1e-5)
+        ('Linear', True)
     """
 
     rank: int = 8

@@ -6,13 +6,6 @@ Batches are the pretraining ones (``{"input_ids", "labels"}``, label -100 ignore
 ``SFTDataModule``, whose held-out prompts drive the ``val/exact_match`` metric; ``val/token_accuracy`` is
 the share of response tokens (labels not -100) whose argmax prediction is right.
 
-    >>> import lightning as L
-    >>> from lightning_train import FinetuneModule, SFTDataModule
-    >>> from lightning_train.models.lora import LoRAConfig
-    >>> module = FinetuneModule("runs/pretrain-tiny/checkpoints/last.ckpt", lora=LoRAConfig(rank=8))
-    >>> L.Trainer(max_steps=200).fit(module, SFTDataModule())  # doctest: +SKIP
-    >>> module.export("runs/finetuned")  # merged weights: model.safetensors + config.json  # doctest: +SKIP
-
 Weights are loaded in ``configure_model``, right after the model is built, when the parameters are real
 tensors; a strategy that builds the model on the meta device (FSDP) materialises it during its
 ``setup``, so there the full state dict is loaded afterwards, in ``on_fit_start`` (before Lightning
@@ -55,6 +48,27 @@ class FinetuneModule(PretrainModule):
         eval_max_new_tokens: longest greedy generation for ``val/exact_match``.
         The remaining arguments are PretrainModule's, with fine-tuning defaults: a 10x lower LR, a short
         warmup and no weight decay.
+
+    Example (LoRA on the default task, from exported weights; then the merged model is exported):
+
+        >>> import tempfile
+        >>> from pathlib import Path
+        >>> import lightning as L
+        >>> from lightning_train import GPT, FinetuneModule, GPTConfig, LoRAConfig, SFTDataModule
+        >>> from lightning_train.checkpoint import save_safetensors
+        >>> tmp = Path(tempfile.mkdtemp())
+        >>> config = GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=64, vocab_size=258)
+        >>> weights = save_safetensors(GPT(config), tmp / "pretrained")
+        >>> module = FinetuneModule(weights, lora=LoRAConfig(rank=4), eval_max_new_tokens=8)
+        >>> trainer = L.Trainer(
+        ...     max_steps=3, accelerator="cpu", limit_val_batches=1, num_sanity_val_steps=0, logger=False,
+        ...     enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False,
+        ... )
+        >>> trainer.fit(module, SFTDataModule(seq_len=64, batch_size=4, eval_prompts=4))
+        >>> sorted({n.split(".")[-3] for n, p in module.model.named_parameters() if p.requires_grad})
+        ['lora_A', 'lora_B']
+        >>> sorted(p.name for p in module.export(tmp / "finetuned").iterdir())  # adapters merged
+        ['config.json', 'model.safetensors']
     """
 
     def __init__(

@@ -2,13 +2,6 @@
 
 Override ``build_model`` (another architecture), ``compute_loss`` (another objective) or
 ``configure_param_groups`` (other weight-decay / LR rules); everything else stays as is.
-
-    >>> import lightning as L
-    >>> from lightning_train import GPTConfig, PretrainModule, TextDataModule
-    >>> module = PretrainModule(GPTConfig(n_layer=2, n_embd=64, n_head=2, block_size=64))
-    >>> trainer = L.Trainer(max_steps=20, accelerator="cpu")  # doctest: +SKIP
-    >>> trainer.fit(module, TextDataModule(seq_len=64, batch_size=8))  # doctest: +SKIP
-
 The config's ``vocab_size`` may be left None: the model then gets the data's vocabulary (a data module's
 ``vocab_size``, or its tokenizer's) when ``fit``/``validate`` sets it up.
 """
@@ -59,6 +52,22 @@ class PretrainModule(L.LightningModule):
         compile: ``torch.compile`` the model (after a strategy has wrapped it).
         float8: run the Linear layers' matmuls in float8 (torchao; a CUDA GPU with compute capability
             >= 8.9, e.g. H100). Applied before ``compile``; see ``lightning_train.models.float8``.
+
+    Example (a few steps on the default corpus; the vocabulary, 258 byte tokens, comes from the data):
+
+        >>> import lightning as L
+        >>> from lightning_train import GPTConfig, PretrainModule, TextDataModule
+        >>> module = PretrainModule(GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=16), warmup_steps=2)
+        >>> trainer = L.Trainer(
+        ...     max_steps=3, accelerator="cpu", log_every_n_steps=1, limit_val_batches=2, logger=False,
+        ...     enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False,
+        ... )
+        >>> trainer.fit(module, TextDataModule(seq_len=16, batch_size=4))
+        >>> trainer.global_step, module.config.vocab_size
+        (3, 258)
+        >>> val = trainer.validate(module, TextDataModule(seq_len=16, batch_size=4), verbose=False)[0]
+        >>> 0 < val["val/loss"] < 6  # ln(258) = 5.55 before any training
+        True
     """
 
     def __init__(

@@ -11,13 +11,6 @@
 The plugin owns the Trainer's step-control object (``self.step_control``, see
 ``lightning_train.plugins.step_control``): the scaler's overflow steps and the steps a callback skips
 (``NaNRecovery``) are skipped through it, the same way.
-
-    >>> import lightning as L
-    >>> from lightning_train.plugins import AmpPrecision
-    >>> plugin = AmpPrecision("16-mixed", device="cpu", init_scale=1024.0, growth_interval=100)
-    >>> trainer = L.Trainer(plugins=[plugin], accelerator="cpu", max_steps=10)  # doctest: +SKIP
-    >>> plugin.scaler.get_scale()
-    1024.0
 """
 
 from __future__ import annotations
@@ -44,6 +37,23 @@ class AmpPrecision(MixedPrecision):
         precision: ``"16-mixed"`` (float16 autocast with loss scaling) or ``"bf16-mixed"`` (no scaling).
         device: the autocast/GradScaler device type: ``"cuda"`` or ``"cpu"``.
         init_scale, growth_factor, backoff_factor, growth_interval: ``torch.amp.GradScaler``'s settings.
+
+    Example (float16 with loss scaling on the CPU, where Lightning would switch to bfloat16):
+
+        >>> import lightning as L
+        >>> from lightning_train import GPTConfig, PretrainModule, TextDataModule
+        >>> from lightning_train.plugins import AmpPrecision
+        >>> plugin = AmpPrecision("16-mixed", device="cpu", init_scale=1024.0, growth_interval=2)
+        >>> trainer = L.Trainer(
+        ...     max_steps=4, accelerator="cpu", limit_val_batches=0, logger=False, plugins=[plugin],
+        ...     enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False,
+        ... )
+        >>> module = PretrainModule(GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=16))
+        >>> trainer.fit(module, TextDataModule(seq_len=16, batch_size=4))
+        >>> plugin.scaler.get_scale()  # doubled after every 2 steps without inf/NaN gradients
+        4096.0
+        >>> {p.dtype for p in module.parameters()}  # the weights stay float32
+        {torch.float32}
     """
 
     def __init__(

@@ -16,12 +16,6 @@ It alone holds the LR schedule over skipped steps: it counts each optimizer's re
 post-hook: free, no host sync) and wraps the Trainer's LR schedulers so that they step only after a real
 step of their optimizer; checkpoints keep each scheduler's plain ``state_dict``.
 
-    >>> import lightning as L
-    >>> from lightning_train.plugins import AmpPrecision, step_control
-    >>> trainer = L.Trainer(plugins=[AmpPrecision("16-mixed", "cpu")], accelerator="cpu", logger=False)
-    >>> step_control(trainer) is trainer.precision_plugin.step_control
-    True
-
 ``trainer.global_step`` counts optimizer steps *attempted*, skipped ones included (as Megatron and
 DeepSpeed do): their forward and backward ran, so ``max_steps``, logging, validation and checkpoint
 intervals count them. The LR schedule follows the real steps.
@@ -36,7 +30,29 @@ from torch.optim import Optimizer
 
 
 class StepControl:
-    """Skips optimizer steps and scales the LR on request; holds the LR schedulers over skipped steps."""
+    """Skips optimizer steps and scales the LR on request; holds the LR schedulers over skipped steps.
+
+    Example (a callback skips the second of three steps):
+
+        >>> import lightning as L
+        >>> from lightning_train import GPTConfig, PretrainModule, TextDataModule
+        >>> from lightning_train.plugins import step_control
+        >>> class SkipSecondStep(L.Callback):
+        ...     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        ...         if trainer.global_step == 1:
+        ...             step_control(trainer).skip(optimizer)
+        >>> trainer = L.Trainer(
+        ...     max_steps=3, accelerator="cpu", limit_val_batches=0, logger=False, enable_progress_bar=False,
+        ...     enable_checkpointing=False, enable_model_summary=False, callbacks=[SkipSecondStep()],
+        ... )
+        >>> module = PretrainModule(GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=16))
+        >>> trainer.fit(module, TextDataModule(seq_len=16, batch_size=4))
+        >>> step_control(trainer) is trainer.precision_plugin.step_control  # one per Trainer
+        True
+        >>> adam_steps = {int(s["step"]) for s in trainer.optimizers[0].state.values()}
+        >>> trainer.global_step, adam_steps, trainer.lr_scheduler_configs[0].scheduler.last_epoch
+        (3, {2}, 2)
+    """
 
     def __init__(self) -> None:
         self._trainer: L.Trainer | None = None

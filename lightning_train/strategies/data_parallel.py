@@ -94,6 +94,27 @@ class DataParallelStrategy(ModelParallelStrategy):
         reduce_dtype: FSDP gradient reduce-scatter dtype under mixed precision (``"float32"`` default).
         memory_budget_gb: per-device memory ``"auto"`` plans with (default: the device's memory).
         process_group_backend, timeout: passed to ``torch.distributed.init_process_group``.
+
+    Example (one CPU process here; ``devices=N`` starts N, each with its share of every global batch):
+
+        >>> import lightning as L
+        >>> from lightning.pytorch.strategies import StrategyRegistry
+        >>> from lightning_train import GPTConfig, PretrainModule, TextDataModule
+        >>> from lightning_train.strategies import DataParallelStrategy
+        >>> from lightning_train.strategies.data_parallel import leave_process_group
+        >>> sorted(name for name in StrategyRegistry if name.startswith("lt_"))
+        ['lt_auto', 'lt_ddp', 'lt_fsdp']
+        >>> strategy = DataParallelStrategy(sharding="auto")  # ddp when a replica fits in memory
+        >>> trainer = L.Trainer(
+        ...     max_steps=2, accelerator="cpu", devices=1, strategy=strategy, limit_val_batches=0,
+        ...     logger=False, enable_progress_bar=False, enable_checkpointing=False,
+        ...     enable_model_summary=False,
+        ... )
+        >>> module = PretrainModule(GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=16))
+        >>> trainer.fit(module, TextDataModule(seq_len=16, batch_size=4))
+        >>> strategy.sharding, trainer.world_size, trainer.global_step
+        ('ddp', 1, 2)
+        >>> leave_process_group()  # a script's process group is left at exit; here, in a test run, now
     """
 
     def __init__(

@@ -5,14 +5,6 @@ of the same dtype, and AdamW's two state tensors per parameter. Activations are 
 GPT-style models (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
 Models", eq. 2: ``s*b*h*(34 + 5*a*s/h)`` bytes per layer in 16-bit; twice that in fp32), counted only
 when the model exposes a ``config`` with ``n_layer``/``n_embd``/``n_head`` and the batch shape is known.
-
-    >>> from lightning_train.models.gpt import GPT, GPTConfig
-    >>> model = GPT(GPTConfig(vocab_size=256, n_layer=8, n_embd=512, n_head=8))
-    >>> estimate = estimate_memory(model, shard_size=8, batch_size=8, seq_len=256)
-    >>> format_bytes(estimate.model_state_bytes), format_bytes(estimate.activation_bytes)
-    ('394.1 MiB', '868.0 MiB')
-    >>> format_bytes(estimate.ddp_bytes), format_bytes(estimate.fsdp_bytes)
-    ('1.2 GiB', '941.8 MiB')
 """
 
 from __future__ import annotations
@@ -31,7 +23,22 @@ GiB = 2**30
 
 @dataclass(frozen=True)
 class MemoryEstimate:
-    """Bytes one device holds under DDP (everything replicated) and FSDP (model states sharded)."""
+    """Bytes one device holds under DDP (everything replicated) and FSDP (model states sharded).
+
+    Example:
+
+        >>> from lightning_train.models.gpt import GPT, GPTConfig
+        >>> from lightning_train.strategies import estimate_memory
+        >>> model = GPT(GPTConfig(vocab_size=256, n_layer=2, n_embd=64, n_head=2))
+        >>> estimate = estimate_memory(model, shard_size=8, batch_size=8, seq_len=256)
+        >>> n_params = sum(p.numel() for p in model.parameters())
+        >>> estimate.model_state_bytes == 4 * 4 * n_params  # fp32 weights, grads, AdamW's two moments
+        True
+        >>> estimate.activation_bytes > 0, estimate.fsdp_bytes < estimate.ddp_bytes
+        (True, True)
+        >>> print(estimate.describe().split("; ")[1])  # doctest: +ELLIPSIS
+        per device: ddp ... MiB, fsdp over 8 shards ... MiB
+    """
 
     param_bytes: int  # the full model, once
     grad_bytes: int
