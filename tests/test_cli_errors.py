@@ -201,8 +201,8 @@ def _id(args: list[str]) -> str:
 
 @pytest.mark.parametrize(("args", "expected"), BAD_VALUES, ids=[_id(args) for args, _ in BAD_VALUES])
 def test_bad_value_is_one_clear_error_line_and_nothing_written(tmp_path, args, expected):
+    from lightning_train.checkpoint import save_safetensors
     from lightning_train.models.gpt import GPT, GPTConfig
-    from lightning_train.models.weights import save_safetensors
 
     (tmp_path / "doc.txt").write_text("some text " * 100)
     save_safetensors(

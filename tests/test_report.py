@@ -53,16 +53,27 @@ def _best_val(run_dir: Path, versions: list[int]) -> str:
 
 
 def test_report_shows_one_run_of_a_folder_of_mixed_launches(tmp_path):
-    """The README's commands in one folder, as real CLI launches (the issue's case): a run, a fresh fit
-    with other settings, a validate, a fit on another corpus. Then a resume of the first run."""
+    """The issue's case, as real CLI launches: a run, a fresh fit with other settings, a validate, a fit
+    on another corpus, all in one folder; then a resume of the first run. The CLI now gives each run its
+    own folder, so the mixed folder is assembled as older versions left it: each other launch runs in a
+    folder of its own and its launch folder is moved in beside the first run's."""
+    run_dir = tmp_path / "runs" / "mixed"
+
+    def moved_in(name: str, version: int) -> None:
+        shutil.move(tmp_path / "runs" / name / "version_0", run_dir / f"version_{version}")
+
     _cli("fit", *TINY, "--trainer.max_steps=8", cwd=tmp_path)  # version_0
-    _cli("fit", *TINY, "--trainer.max_steps=12", "--model.init_args.learning_rate=1e-3", cwd=tmp_path)
-    _cli("validate", *TINY, LAST, cwd=tmp_path)  # version_2
+    _cli("fit", *TINY, "--trainer.max_steps=12", "--model.init_args.learning_rate=1e-3", "--run_name=lr",
+         cwd=tmp_path)
+    moved_in("lr", 1)
+    _cli("validate", *TINY, LAST, cwd=tmp_path)
+    shutil.move(run_dir / "validate" / "version_0", run_dir / "version_2")
     shutil.copytree(REPO / "lightning_train" / "loggers", tmp_path / "corpus")
     _cli("prepare", "--inputs", "[corpus/]", "--output_dir", "data/other", "--val_fraction", "0.3",
          "--num_workers", "0", cwd=tmp_path)
-    _cli("fit", *TINY, "--trainer.max_steps=6", "--data.init_args.data_dir=data/other", cwd=tmp_path)  # 3
-    run_dir = tmp_path / "runs" / "mixed"
+    _cli("fit", *TINY, "--trainer.max_steps=6", "--data.init_args.data_dir=data/other", "--run_name=other",
+         cwd=tmp_path)
+    moved_in("other", 3)
 
     # the newest run alone: the fit on the other corpus; the others are listed, not drawn
     result = report(str(run_dir), output_dir=str(tmp_path / "newest"))
