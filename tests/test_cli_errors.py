@@ -180,7 +180,7 @@ BAD_VALUES = [
     (["generate", "--checkpoint", "model", "--prompt", "x", "--tokenizer", "/no/tok.json"], ["/no/tok.json"]),
     (["consolidate", "--checkpoint", "none.ckpt", "--output", "out"], ["none.ckpt", "does not exist"]),
     (["consolidate", "--checkpoint", "doc.txt", "--output", "out"], ["doc.txt", ".safetensors"]),
-    (["consolidate", "--checkpoint", "model", "--output", "model"], ["already exists", "--overwrite true"]),
+    (["consolidate", "--checkpoint", "model", "--output", "model"], ["--output model", "the checkpoint being exported", "another folder"]),
     (["report", "nowhere"], ["'nowhere'", "pass the run folder"]),
     (["report", "doc.txt"], ["'doc.txt'", "pass the run folder"]),
     (["dashboard", "--run_dir", "nowhere"], ["'nowhere'", "pass a run folder"]),
