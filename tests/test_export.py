@@ -19,7 +19,8 @@ from lightning_train.data.default_corpus import stdlib_sources
 from lightning_train.data.tokenizers import ByteTokenizer, HFTokenizer
 from lightning_train.models.gpt import GPT, GPTConfig
 from lightning_train.models.lora import LoRAConfig, apply_lora, lora_layers
-from tests.conftest import REPO, run_cli
+from tests.conftest import run_cli
+from tests.helpers.ft_runs import sharded_two_rank_checkpoint
 
 transformers = pytest.importorskip("transformers")
 
@@ -282,16 +283,7 @@ def test_overwrite_replaces_an_earlier_export_and_nothing_else(tmp_path):
 
 def test_two_rank_sharded_checkpoint_exports(tmp_path):
     config = {"vocab_size": 258, "block_size": 32, "n_layer": 2, "n_head": 2, "n_kv_head": 1, "n_embd": 32}
-    result = run_cli(
-        "fit", "--config", str(REPO / "configs" / "pretrain-tiny.yaml"), "--trainer.accelerator", "cpu",
-        "--trainer.devices", "2", "--trainer.strategy", "lt_fsdp", "--trainer.max_steps", "3",
-        "--trainer.limit_val_batches", "0", "--trainer.callbacks", "[]",
-        "--model.config", json.dumps(config), "--data.seq_len", "32", "--data.batch_size", "2",
-        cwd=tmp_path, timeout=300,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    folder = tmp_path / "runs/pretrain-tiny/checkpoints/last.ckpt"
-    assert folder.is_dir() and (folder / ".metadata").is_file()
+    folder = sharded_two_rank_checkpoint(tmp_path, config, max_steps=3)
     exported = run_cli("export", "--checkpoint", str(folder), "--output", str(tmp_path / "hf"), cwd=tmp_path)
     assert exported.returncode == 0, exported.stderr[-3000:]
     assert_same_model(open_pretrained(folder).build(), tmp_path / "hf")

@@ -14,6 +14,7 @@ from lightning_train.data.sft import SFTDataModule
 from lightning_train.models.gpt import GPT, GPTConfig
 from lightning_train.modules.finetune import FinetuneModule
 from tests.conftest import REPO, run_cli
+from tests.helpers.ft_runs import sharded_two_rank_checkpoint
 
 PAIRS = {"sky": "blue", "grass": "green", "snow": "white", "coal": "black", "blood": "red", "sun": "yellow"}
 
@@ -68,16 +69,7 @@ def test_two_rank_sharded_checkpoint_loads_on_one_rank(tmp_path):
     from lightning_train.checkpoint import consolidate
 
     config = {"vocab_size": 258, "block_size": 32, "n_layer": 2, "n_head": 2, "n_embd": 32}
-    result = run_cli(
-        "fit", "--config", str(REPO / "configs" / "pretrain-tiny.yaml"), "--trainer.accelerator", "cpu",
-        "--trainer.devices", "2", "--trainer.strategy", "lt_fsdp", "--trainer.max_steps", "2",
-        "--trainer.limit_val_batches", "0", "--trainer.callbacks", "[]",
-        "--model.config", json.dumps(config), "--data.seq_len", "32", "--data.batch_size", "2",
-        cwd=tmp_path, timeout=300,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    folder = tmp_path / "runs/pretrain-tiny/checkpoints/last.ckpt"
-    assert folder.is_dir() and (folder / ".metadata").is_file()
+    folder = sharded_two_rank_checkpoint(tmp_path, config, max_steps=2)
 
     module = FinetuneModule(str(folder))
     assert module.config == GPTConfig(**config) and module.tokenizer_spec == "byte"

@@ -4,6 +4,7 @@ as a real process, with faults injected by ``ft_callbacks``."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -12,7 +13,7 @@ from typing import Any
 import torch
 import yaml
 
-from tests.conftest import REPO, cli_env
+from tests.conftest import REPO, cli_env, run_cli
 
 MAX_STEPS = 12
 
@@ -79,3 +80,19 @@ def final_state(folder: Path) -> dict[str, Any]:
         "scheduler": checkpoint["lr_schedulers"], "rng": callbacks["RNGStateKeeper"],
         "grad_norm_monitor": callbacks["GradNormMonitor"],
     }
+
+
+def sharded_two_rank_checkpoint(folder: Path, model: dict[str, int], max_steps: int) -> Path:
+    """``last.ckpt`` of a real 2-rank lt_fsdp CLI fit of ``model`` (a GPTConfig dict) in ``folder``:
+    a sharded (DCP) checkpoint folder."""
+    result = run_cli(
+        "fit", "--config", str(REPO / "configs" / "pretrain-tiny.yaml"), "--trainer.accelerator", "cpu",
+        "--trainer.devices", "2", "--trainer.strategy", "lt_fsdp", "--trainer.max_steps", str(max_steps),
+        "--trainer.limit_val_batches", "0", "--trainer.callbacks", "[]",
+        "--model.config", json.dumps(model), "--data.seq_len", "32", "--data.batch_size", "2",
+        cwd=folder, timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    checkpoint = folder / "runs/pretrain-tiny/checkpoints/last.ckpt"
+    assert checkpoint.is_dir() and (checkpoint / ".metadata").is_file()
+    return checkpoint
