@@ -23,9 +23,12 @@ Overrides of private methods that stay in their classes (a subclass can only ove
 from __future__ import annotations
 
 import argparse
+import atexit
+import os
+import sys
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, TypeAlias
+from typing import Any, NoReturn, TypeAlias
 
 import lightning as L
 import torch
@@ -112,6 +115,21 @@ def ddp_comm_hook_name(model: nn.parallel.DistributedDataParallel) -> str | None
     """The communication hook's name as torch records it (``DistributedDataParallel.
     _get_ddp_logging_data()["comm_hook"]``, torch 2.5-2.13; no public one)."""
     return model._get_ddp_logging_data().get("comm_hook")
+
+
+def end_distributed_process(code: int) -> NoReturn:
+    """Leave a process that ran a process group: destroy the group, run Python's exit handlers (W&B,
+    multiprocessing, atexit), flush, then ``os._exit(code)``, skipping interpreter finalisation. At
+    finalisation Gloo's C++ threads (kept alive by FSDP2's references to the group) can still be torn
+    down and abort a finished process with SIGABRT ("terminate called without an active exception";
+    pytorch/pytorch#179291, #190489), which a scheduler or torchrun reads as a failed rank. Uses
+    ``atexit._run_exitfuncs`` (CPython 3.10-3.13); the public alternative is a plain ``sys.exit``."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 # ---- Lightning: Trainer and loops -------------------------------------------------------------------------

@@ -9,6 +9,8 @@ import copyreg
 import inspect
 import io
 import socket
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -129,6 +131,22 @@ def test_ddp_comm_hook_name(process_group):
     assert _compat.ddp_comm_hook_name(model) is None
     model.register_comm_hook(None, default_hooks.fp16_compress_hook)
     assert _compat.ddp_comm_hook_name(model) == "fp16_compress_hook"
+
+
+def test_end_distributed_process(tmp_path):
+    """Exit handlers run, output is flushed, the exit code is kept, and the process ends."""
+    script = f"""
+import atexit, sys, torch.distributed as dist
+from lightning_train._compat import end_distributed_process
+atexit.register(lambda: open({str(tmp_path / "handler-ran")!r}, "w").close())
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+print("unflushed", end="")
+end_distributed_process(7)
+print("never reached")
+"""
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert (result.returncode, result.stdout) == (7, "unflushed"), result.stderr
+    assert (tmp_path / "handler-ran").exists()
 
 
 # ---- Lightning: Trainer and loops (one real fit, observed from a callback) --------------------------------

@@ -15,6 +15,9 @@ import atexit
 import importlib
 import sys
 
+import torch
+
+from lightning_train._compat import end_distributed_process
 from lightning_train._warnings import plain_package_warnings
 from lightning_train.cli._parsers import PROG, TOOLS
 from lightning_train.cli.trainer import SUBCOMMANDS, LightningTrainCLI
@@ -25,6 +28,25 @@ __all__ = ["LightningTrainCLI", "main"]
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Run a subcommand or a tool. As the process's entry point (``argv`` None: ``python -m
+    lightning_train``, the ``lightning-train`` script), a process that joined a process group ends
+    through ``end_distributed_process``, its exit code kept."""
+    if argv is not None:
+        _main(argv)
+        return
+    try:
+        _main(None)
+        code = 0
+    except SystemExit as exit:  # Preempted (75, 130), bad input (2), an abort (3), --help (0)
+        if not isinstance(exit.code, int | None):
+            print(exit.code, file=sys.stderr)
+        code = exit.code if isinstance(exit.code, int) else int(exit.code is not None)
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        end_distributed_process(code)
+    sys.exit(code)
+
+
+def _main(argv: list[str] | None) -> None:
     atexit.register(leave_process_group)  # whatever the strategy: see leave_process_group
     plain_package_warnings()
     args = sys.argv[1:] if argv is None else argv
