@@ -19,6 +19,7 @@ import torch
 import yaml
 
 from lightning_train.callbacks.preemption import INTERRUPTED_EXIT_CODE, PREEMPTED_EXIT_CODE
+from lightning_train.checkpoint import find_resume_checkpoint
 from tests.helpers.ft_runs import fault, final_state, fit, write_config
 
 
@@ -136,6 +137,60 @@ def test_sigkill_anywhere_then_resume_is_bitwise_exact(tmp_path: Path, reference
     finished = fit(config)
     assert finished.returncode == 0, finished.stdout[-3000:]
     assert "resuming from" in finished.stdout and not torn.exists()  # the torn write was cleaned up
+    assert_same(final_state(tmp_path), reference["state"])
+    assert batches(tmp_path) == reference["batches"]
+
+
+def test_async_checkpoint_killed_mid_write_resumes_from_the_previous_one_exactly(
+        tmp_path: Path, reference: dict[str, Any], data_dir: Path) -> None:
+    # the background write of step 9 is half on disk when SIGKILL hits the launch
+    config = write_config(tmp_path, data_dir, plugins=(
+        {"class_path": "tests.helpers.ft_callbacks.KillDuringWriteIO",
+         "init_args": {"step": 9, "marker_dir": str(tmp_path / "markers"), "async_save": True}},))
+    run_until_done(config, [-signal.SIGKILL])
+    checkpoints = tmp_path / "run" / "checkpoints"
+    assert (checkpoints / ".epoch=0-step=9.ckpt.partial").stat().st_size > 0
+    assert not (checkpoints / "epoch=0-step=9.ckpt").exists()
+    assert (checkpoints / "epoch=0-step=3.ckpt").exists()  # retention waits for the newer write
+    newest = find_resume_checkpoint(checkpoints)  # what --resume auto picks: a checkpoint of step 6
+    assert yaml.safe_load(Path(f"{newest}.manifest.json").read_text())["global_step"] == 6
+
+    finished = fit(config)
+    assert finished.returncode == 0, finished.stdout[-3000:]
+    assert f"resuming from {newest}" in finished.stdout
+    assert_same(final_state(tmp_path), reference["state"])
+    assert batches(tmp_path) == reference["batches"]
+
+
+def test_async_checkpoint_does_not_hold_up_the_next_step(tmp_path: Path, data_dir: Path) -> None:
+    log = tmp_path / "log"
+    config = write_config(
+        tmp_path, data_dir,
+        callbacks=({"class_path": "tests.helpers.ft_callbacks.StepStarts",
+                    "init_args": {"folder": str(log)}},),
+        plugins=({"class_path": "tests.helpers.ft_callbacks.SlowWriteIO",
+                  "init_args": {"folder": str(log), "delay": 1.0}},),
+    )
+    result = fit(config)
+    assert result.returncode == 0, result.stdout[-3000:]
+    starts = dict(line.split() for line in (log / "step-starts.txt").read_text().splitlines())
+    write_ends = [line.split() for line in (log / "write-ends.txt").read_text().splitlines()]
+    step, ended = write_ends[0]  # step=3.ckpt, written in a second by the background thread
+    assert step == "3" and float(starts["3"]) < float(ended), "step 4 waited for the checkpoint of step 3"
+    # each checkpoint is complete once fit returns: the final one was flushed before exit
+    assert [int(s) for s, _ in write_ends].count(12) == 2  # epoch=0-step=12.ckpt and last.ckpt
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").glob("*.ckpt")) == [
+        "epoch=0-step=12.ckpt", "epoch=0-step=6.ckpt", "epoch=0-step=9.ckpt", "last.ckpt"]
+
+
+def test_async_checkpoints_with_preemption_resume_exactly(tmp_path: Path, reference: dict[str, Any],
+                                                         data_dir: Path) -> None:
+    config = write_config(tmp_path, data_dir, callbacks=(fault(["train:4"], tmp_path, "SIGTERM"),))
+    results = [fit(config, "--async_checkpoint", "true") for _ in range(2)]
+    assert [r.returncode for r in results] == [PREEMPTED_EXIT_CODE, 0], results[0].stdout[-3000:]
+    # the preemption checkpoint was written in the background and flushed before the exit
+    manifest = yaml.safe_load((tmp_path / "run" / "checkpoints" / "preempted.ckpt.manifest.json").read_text())
+    assert manifest["global_step"] == 5
     assert_same(final_state(tmp_path), reference["state"])
     assert batches(tmp_path) == reference["batches"]
 

@@ -178,8 +178,9 @@ def test_ddp_comm_hook_is_registered_where_gloo_supports_it(tmp_path):
 
 
 def test_sharded_checkpoint_resumes_on_1_then_2_ranks_and_consolidates(tmp_path):
-    """fsdp 2 ranks for 18 steps; resume its step-6 checkpoint on 1 rank to step 12, that one on 2 ranks
-    to step 18: the same losses as the uninterrupted run. Then export and reject a wrong model."""
+    """fsdp 2 ranks for 18 steps, its checkpoints written in the background (--async_checkpoint); resume
+    its step-6 checkpoint on 1 rank to step 12, that one on 2 ranks to step 18: the same losses as the
+    uninterrupted run. Then export and reject a wrong model."""
     config = _pattern_config(tmp_path)
     every_6 = [
         "--trainer.callbacks+=ModelCheckpoint",
@@ -187,7 +188,7 @@ def test_sharded_checkpoint_resumes_on_1_then_2_ranks_and_consolidates(tmp_path)
         "--trainer.callbacks.save_top_k=-1",
     ]
     fsdp = ["--config", config, "--trainer.strategy=lt_fsdp"]
-    [a0, _], _ = _fit(tmp_path, "a", *fsdp, "--trainer.max_steps=18", *every_6)
+    [a0, _], _ = _fit(tmp_path, "a", *fsdp, "--trainer.max_steps=18", *every_6, "--async_checkpoint=true")
     step_6 = tmp_path / "a" / "checkpoints" / "epoch=0-step=6.ckpt"
     [b0], _ = _fit(
         tmp_path,

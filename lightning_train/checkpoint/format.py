@@ -293,14 +293,25 @@ def atomic_checkpoint_dir(path: str | Path, global_step: int | None = None, epoc
     ``torch.distributed.checkpoint.save(state, checkpoint_id=tmp)`` on every rank); afterwards the
     writer rank fsyncs every file, adds ``manifest.json`` and renames the folder into place. The caller
     must make sure all ranks finished writing before the block exits on the writer (``dcp.save`` does)."""
-    final = Path(path)
-    tmp = partial_path(final)
+    tmp = begin_checkpoint_dir(path, is_writer)
+    yield tmp
+    if is_writer:
+        commit_checkpoint_dir(tmp, Path(path), global_step, epoch)
+
+
+def begin_checkpoint_dir(path: str | Path, is_writer: bool = True) -> Path:
+    """The empty temporary folder that the checkpoint folder ``path`` is written into (the writer rank
+    clears what an interrupted write left there)."""
+    tmp = partial_path(path)
     if is_writer:
         _remove(tmp)
     tmp.mkdir(parents=True, exist_ok=True)
-    yield tmp
-    if not is_writer:
-        return
+    return tmp
+
+
+def commit_checkpoint_dir(tmp: Path, final: Path, global_step: int | None, epoch: int | None) -> None:
+    """Make the finished folder ``tmp`` the checkpoint ``final``: fsync every file, write the manifest,
+    rename into place."""
     for file in (p for p in tmp.rglob("*") if p.is_file()):
         with file.open("rb+") as f:
             os.fsync(f.fileno())

@@ -1,5 +1,6 @@
 """``AtomicCheckpointIO``: the Trainer's CheckpointIO plugin that writes checkpoints atomically with a
-manifest and loads them verified and safely (the protocol is in ``checkpoint/format.py``).
+manifest and loads them verified and safely (the protocol is in ``checkpoint/format.py``), and with
+``async_save=True`` writes them in the background (``checkpoint/background.py``).
 
 Retention ("keep the last K") is left to ``ModelCheckpoint``, which knows which files it still tracks
 as best: ``ModelCheckpoint(monitor="step", mode="max", save_top_k=K, every_n_train_steps=N)`` keeps
@@ -16,6 +17,7 @@ import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
 from lightning_train._compat import PathLike, is_local_path
+from lightning_train.checkpoint.background import BackgroundWriter, stage
 from lightning_train.checkpoint.format import (
     FORMAT_KEY,
     FORMAT_VERSION,
@@ -40,6 +42,13 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     accepting the plain config dataclasses of lightning_train that modules keep in their hyperparameters.
     Remote paths (``s3://`` ...) fall back to Lightning's own transactional write without a manifest.
 
+    Args:
+        async_save: stage each checkpoint to host memory and write it from a background thread, so that
+            training blocks only for the copy. The manifest is still written last; removing an old
+            checkpoint (``ModelCheckpoint``'s retention) waits until the new one is complete; pending
+            writes are flushed when the Trainer tears down (the end of ``fit``, a preemption, an
+            error) and before any load. Sharded checkpoints of ``lt_fsdp`` use the same writer.
+
     Example:
 
         >>> import os
@@ -61,8 +70,10 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         (2, ['epoch=0-step=2.ckpt'])
     """
 
-    def __init__(self) -> None:
+    def __init__(self, async_save: bool = False) -> None:
         super().__init__()
+        self.async_save = async_save
+        self.writer = BackgroundWriter() if async_save else None
         self._cleaned_dirs: set[Path] = set()
 
     def save_checkpoint(
@@ -74,7 +85,14 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         self._remove_stale_partials(path.parent)
-        checkpoint[FORMAT_KEY] = {"format_version": FORMAT_VERSION}
+        checkpoint = {**checkpoint, FORMAT_KEY: {"format_version": FORMAT_VERSION}}
+        if self.writer is None:
+            self._write(checkpoint, path)
+        else:
+            staged = stage(checkpoint)  # the only part training waits for
+            self.writer.submit(checkpoint.get("global_step"), lambda: self._write(staged, path))
+
+    def _write(self, checkpoint: dict[str, Any], path: Path) -> None:
         digest = atomic_write_bytes(path, lambda f: self._serialize(checkpoint, f))
         write_manifest(path, checkpoint.get("global_step"), checkpoint.get("epoch"), {path.name: digest})
 
@@ -85,6 +103,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         self, path: PathLike, map_location: Callable | None = lambda storage, loc: storage,
         weights_only: bool | None = None,
     ) -> dict[str, Any]:
+        self.flush()
         if not is_local_path(path):
             return super().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
         path = Path(path)
@@ -109,8 +128,24 @@ class AtomicCheckpointIO(TorchCheckpointIO):
                 leftover.unlink(missing_ok=True)
 
     def remove_checkpoint(self, path: PathLike) -> None:
+        """Remove a checkpoint and its manifest; with ``async_save``, only once the writes in flight
+        are complete (never while the newest checkpoint is still being written)."""
+        if self.writer is None:
+            self._remove(path)
+        else:
+            self.writer.after_writes(lambda: self._remove(path))
+
+    def _remove(self, path: PathLike) -> None:
         super().remove_checkpoint(path)
         if is_local_path(path):
-            manifest = Path(str(path) + MANIFEST_SUFFIX)
-            if manifest.exists():
-                manifest.unlink()
+            Path(str(path) + MANIFEST_SUFFIX).unlink(missing_ok=True)
+
+    def flush(self) -> None:
+        """Wait for the checkpoints being written in the background (no-op without ``async_save``)."""
+        if self.writer is not None:
+            self.writer.wait()
+
+    def teardown(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+        super().teardown()

@@ -28,7 +28,13 @@ from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata
 
 from lightning_train._compat import METADATA_FILENAME, TORCH_LAYOUT_GLOBAL
-from lightning_train.checkpoint.format import atomic_checkpoint_dir, load_torch_file, verify_checkpoint
+from lightning_train.checkpoint.background import BackgroundWriter, stage
+from lightning_train.checkpoint.format import (
+    begin_checkpoint_dir,
+    commit_checkpoint_dir,
+    load_torch_file,
+    verify_checkpoint,
+)
 from lightning_train.errors import UserInputError
 
 _DCP_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
@@ -189,26 +195,45 @@ def load_sharded_model_state(
 
 
 def save_sharded_checkpoint(
-    checkpoint: dict[str, Any], path: Path, is_writer: bool, barrier: Callable[[], None]
+    checkpoint: dict[str, Any], path: Path, is_writer: bool, barrier: Callable[[], None],
+    writer: BackgroundWriter | None = None, process_group: Any = None,
 ) -> None:
     """Write ``checkpoint`` as a sharded folder at ``path``, atomically and verifiably; a collective
     (every rank calls it). Every rank writes its DCP shard of model and optimizer state into the hidden
     ``.<name>.partial`` sibling, the writer adds ``meta.pt`` (everything else: counters, loops and data
     position, schedulers, callbacks, hyper-parameters), then fsyncs, writes ``manifest.json`` (sizes +
     sha256) and renames the folder into place. A crash mid-save leaves the previous checkpoint at
-    ``path`` untouched."""
+    ``path`` untouched.
+
+    With a ``writer`` (asynchronous saves) the shards are staged to host memory and written, committed
+    and renamed in its background thread; ``process_group`` is then the group of that thread's
+    collectives, which must not be the one training uses."""
     from torch.distributed.checkpoint import save
 
+    path, step, epoch = Path(path), checkpoint.get("global_step"), checkpoint.get("epoch")
     state = {"state_dict": checkpoint.pop("state_dict")}
     state.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
-    with atomic_checkpoint_dir(
-        path, checkpoint.get("global_step"), checkpoint.get("epoch"), is_writer=is_writer
-    ) as staging:
-        barrier()  # the writer has cleared the staging folder before anyone writes into it
+    if writer is not None:
+        writer.ready_for(step)  # the staging folder may be the one an earlier write is still committing
+    staging = begin_checkpoint_dir(path, is_writer)
+    barrier()  # the writer has cleared the staging folder before anyone writes into it
+    if is_writer:
+        torch.save(checkpoint, staging / METADATA_FILENAME)
+    if writer is None:
         save(state, checkpoint_id=str(staging))  # collective: returns when every rank's shard is written
         if is_writer:
-            torch.save(checkpoint, staging / METADATA_FILENAME)
-    barrier()
+            commit_checkpoint_dir(staging, path, step, epoch)
+        barrier()
+        return
+    staged = stage(state)
+
+    def write() -> None:
+        # DCP's coordinator (rank 0) returns once every rank's shard and the .metadata are written
+        save(staged, checkpoint_id=str(staging), process_group=process_group)
+        if is_writer:
+            commit_checkpoint_dir(staging, path, step, epoch)
+
+    writer.submit(step, write)
 
 
 def load_sharded_checkpoint(

@@ -123,7 +123,8 @@ class LightningTrainCLI(LightningCLI):
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
         trainer_config = cli_config_value(self, self.config_init, "trainer", default={})
         check_trainer_arguments(trainer_config)
-        defaults = _run_defaults(trainer_config, self.subcommand, self.command)
+        async_checkpoint = cli_config_value(self, self.config_init, "async_checkpoint", default=False)
+        defaults = _run_defaults(trainer_config, self.subcommand, self.command, async_checkpoint)
         try:
             return super().instantiate_trainer(**{**defaults, **kwargs})
         except (MisconfigurationException, ValueError) as error:  # Lightning's checks of its arguments
@@ -140,6 +141,11 @@ class LightningTrainCLI(LightningCLI):
             "--run_name", type=str | None, default=None,
             help="the run's folder: runs/<run_name> (default: the config's trainer.default_root_dir, "
             "else the config file's name). A new fit into a folder that holds a run is refused.",
+        )
+        parser.add_argument(
+            "--async_checkpoint", type=bool, default=False,
+            help="write checkpoints in the background (training waits only for the copy to host "
+            "memory); the manifest is still written last. See docs/fault-tolerance.md.",
         )
         parser.add_argument(
             "--continue_past_target", type=bool, default=False,
@@ -277,7 +283,9 @@ def _user_error(error: BaseException) -> UserInputError:
         innermost = innermost.__cause__
 
 
-def _run_defaults(trainer: dict[str, Any], subcommand: str | None, command: list[str]) -> dict[str, Any]:
+def _run_defaults(
+    trainer: dict[str, Any], subcommand: str | None, command: list[str], async_checkpoint: bool = False
+) -> dict[str, Any]:
     """Trainer arguments that complete what the config left out; a config that sets one wins.
 
     - CSV metrics in ``<root>/version_N/`` (``fit``) or ``<root>/<subcommand>/version_N/`` (``validate``,
@@ -287,7 +295,8 @@ def _run_defaults(trainer: dict[str, Any], subcommand: str | None, command: list
       LR schedule held on skipped steps (``AmpPrecision``).
     - Exact resume and preemption: every rank's RNG states in checkpoints, the logging step kept on the
       optimizer step (``StepAxisKeeper``), checkpoint-and-exit (code 75)
-      on SIGTERM/SIGUSR1 (code 130 on Ctrl-C), atomic sha256-verified checkpoint files; on SLURM,
+      on SIGTERM/SIGUSR1 (code 130 on Ctrl-C), atomic sha256-verified checkpoint files (written in the
+      background with ``--async_checkpoint true``); on SLURM,
       Lightning's own auto-requeue is off so that it does not act on the same signals.
     """
     root = Path(trainer["default_root_dir"])  # set by before_instantiate_classes
@@ -315,8 +324,14 @@ def _run_defaults(trainer: dict[str, Any], subcommand: str | None, command: list
     if amp is not None and not any(isinstance(p, Precision) for p in plugins):
         defaults["precision"] = None
         plugins.append(amp)
-    if not any(isinstance(p, CheckpointIO) for p in plugins):
-        plugins.append(AtomicCheckpointIO())
+    checkpoint_io = next((p for p in plugins if isinstance(p, CheckpointIO)), None)
+    if checkpoint_io is None:
+        plugins.append(AtomicCheckpointIO(async_save=async_checkpoint))
+    elif async_checkpoint and not getattr(checkpoint_io, "async_save", False):
+        raise UserInputError(
+            f"--async_checkpoint true needs AtomicCheckpointIO, but the config's trainer.plugins has "
+            f"{type(checkpoint_io).__name__}; drop --async_checkpoint, or give that plugin async_save: true"
+        )
     if SLURMEnvironment.detect() and not any(isinstance(p, ClusterEnvironment) for p in plugins):
         plugins.append(SLURMEnvironment(auto_requeue=False))
     defaults["plugins"] = plugins

@@ -158,6 +158,7 @@ class DataParallelStrategy(ModelParallelStrategy):
         self._restored_by_strategy = (
             False  # True once load_checkpoint has put model + optimizer states in place
         )
+        self._checkpoint_group: Any = None  # the gloo group of background sharded saves
 
     # ---- process groups and mesh ---------------------------------------------------------------------
     def _configure_launcher(self) -> None:
@@ -286,11 +287,22 @@ class DataParallelStrategy(ModelParallelStrategy):
 
     def save_sharded_checkpoint(self, checkpoint: dict[str, Any], path: Path) -> None:
         """Write ``checkpoint`` as a sharded folder at ``path``, atomically and verifiably (see
-        ``checkpoint.sharded.save_sharded_checkpoint``)."""
+        ``checkpoint.sharded.save_sharded_checkpoint``); in the background when the checkpoint plugin is
+        ``AtomicCheckpointIO(async_save=True)``."""
         path = Path(self.broadcast(str(path)))
-        save_sharded_checkpoint(checkpoint, path, is_writer=self.global_rank == 0, barrier=self.barrier)
+        writer = getattr(self.checkpoint_io, "writer", None)
+        if writer is not None and self._checkpoint_group is None:
+            # the writer thread's collectives get a group of their own, never interleaved with training's
+            self._checkpoint_group = torch.distributed.new_group(backend="gloo")
+        save_sharded_checkpoint(
+            checkpoint, path, is_writer=self.global_rank == 0, barrier=self.barrier,
+            writer=writer, process_group=self._checkpoint_group,
+        )
 
     def load_checkpoint(self, checkpoint_path: PathLike, weights_only: bool | None = None) -> dict[str, Any]:
+        flush = getattr(self.checkpoint_io, "flush", None)
+        if flush is not None:
+            flush()  # a checkpoint being written in the background is complete before anything is read
         path = Path(self.broadcast(str(checkpoint_path)))
         if is_sharded_checkpoint(path):
             metadata = self.load_sharded_checkpoint(path, weights_only)

@@ -5,7 +5,9 @@ starts (K steps done; right after a checkpoint when K is a checkpoint step), ``v
 of the validation that follows step K. Each point fires once across restarts (a marker file in
 ``marker_dir`` remembers it), so one YAML describes a whole crash-and-resume sequence.
 ``repeat`` sends the signal that many times in a row (a second Ctrl-C).
-``KillDuringWriteIO`` SIGKILLs the process half-way through writing the checkpoint of step K.
+``KillDuringWriteIO`` SIGKILLs the process half-way through writing the checkpoint of step K (in the
+background writer's thread with ``async_save``). ``SlowWriteIO`` writes in the background and slowly,
+logging when each write ends; ``StepStarts`` logs when each training batch starts.
 ``BatchLog`` records a fingerprint of every training batch, to check the data position after resume.
 """
 
@@ -14,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import os
 import signal
+import time
 from pathlib import Path
 from typing import IO, Any
 
@@ -60,8 +63,8 @@ class Fault(L.Callback):
 class KillDuringWriteIO(AtomicCheckpointIO):
     """SIGKILLs the whole launch after half of the checkpoint of ``step`` reached the disk."""
 
-    def __init__(self, step: int, marker_dir: str) -> None:
-        super().__init__()
+    def __init__(self, step: int, marker_dir: str, async_save: bool = False) -> None:
+        super().__init__(async_save=async_save)
         self.step, self.marker = step, Path(marker_dir) / f"write-{step}"
 
     def _serialize(self, checkpoint: dict[str, Any], file: IO[bytes]) -> None:
@@ -74,6 +77,34 @@ class KillDuringWriteIO(AtomicCheckpointIO):
         file.write(bytes(buffer.data[: len(buffer.data) // 2]))
         file.flush()
         os.killpg(os.getpgrp(), signal.SIGKILL)
+
+
+class SlowWriteIO(AtomicCheckpointIO):
+    """Asynchronous writes that take ``delay`` seconds each; appends ``<step> <time.time()>`` to
+    ``<folder>/write-ends.txt`` when a write is on disk."""
+
+    def __init__(self, folder: str, delay: float = 1.0) -> None:
+        super().__init__(async_save=True)
+        self.folder, self.delay = Path(folder), delay
+
+    def _serialize(self, checkpoint: dict[str, Any], file: IO[bytes]) -> None:
+        time.sleep(self.delay)
+        super()._serialize(checkpoint, file)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        with (self.folder / "write-ends.txt").open("a") as f:
+            f.write(f"{checkpoint['global_step']} {time.time()}\n")
+
+
+class StepStarts(L.Callback):
+    """Appends ``<global step> <time.time()>`` to ``<folder>/step-starts.txt`` as each batch starts."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder = Path(folder)
+
+    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        with (self.folder / "step-starts.txt").open("a") as f:
+            f.write(f"{trainer.global_step} {time.time()}\n")
 
 
 class _Buffer:
