@@ -36,6 +36,7 @@ from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
 from lightning.fabric.utilities.load import _METADATA_FILENAME
 from lightning.fabric.utilities.logger import _add_prefix
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loops.fetchers import _DataLoaderIterDataFetcher
 from torch import nn
 from torch.amp.grad_scaler import OptState
@@ -214,6 +215,16 @@ def sync_module_states(module: nn.Module) -> None:
 
 
 # ---- Lightning: checkpoints and loggers ------------------------------------------------------------------
+def save_model_checkpoint_now(callback: ModelCheckpoint, trainer: L.Trainer) -> None:
+    """Let ``callback`` save its top-k and ``last`` checkpoints at this step, as its step rule does
+    (``ModelCheckpoint._monitor_candidates``, ``._save_topk_checkpoint``, ``._save_last_checkpoint``,
+    Lightning 2.5-2.6). The public alternative, ``train_time_interval``, excludes a step interval and
+    broadcasts every step."""
+    candidates = callback._monitor_candidates(trainer)
+    callback._save_topk_checkpoint(trainer, candidates)
+    callback._save_last_checkpoint(trainer, candidates)
+
+
 def is_local_path(path: PathLike) -> bool:
     """Whether ``path`` is on the local file system, not a remote URL such as ``s3://`` (``lightning.fabric.
     utilities.cloud_io._is_local_file_protocol``, Lightning 2.5-2.6; no public one)."""

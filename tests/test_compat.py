@@ -133,6 +133,25 @@ def test_ddp_comm_hook_name(process_group):
     assert _compat.ddp_comm_hook_name(model) == "fp16_compress_hook"
 
 
+def test_save_model_checkpoint_now(tmp_path):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    checkpoint = ModelCheckpoint(tmp_path, monitor="step", mode="max", save_top_k=1, save_last=True)
+
+    class SaveAtStep2(L.Callback):
+        saved: list[str] = []
+
+        def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+            if trainer.global_step == 2:
+                _compat.save_model_checkpoint_now(checkpoint, trainer)
+                self.saved = sorted(p.name for p in tmp_path.iterdir())
+
+    saver = SaveAtStep2()
+    trainer = L.Trainer(**{**QUIET, "enable_checkpointing": True}, max_steps=3, callbacks=[saver, checkpoint])
+    trainer.fit(BoringModel())
+    assert saver.saved == ["epoch=0-step=2.ckpt", "last.ckpt"]  # top-k and last, at that step
+
+
 def test_end_distributed_process(tmp_path):
     """Exit handlers run, output is flushed, the exit code is kept, and the process ends."""
     script = f"""

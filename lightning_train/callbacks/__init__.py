@@ -4,6 +4,7 @@ from lightning_train.callbacks.grad_norm import GradNormMonitor
 from lightning_train.callbacks.hang_watchdog import HangWatchdog
 from lightning_train.callbacks.loss_scale import LossScaleMonitor
 from lightning_train.callbacks.nan_recovery import NaNRecovery
+from lightning_train.callbacks.periodic_checkpoint import PeriodicCheckpoint
 from lightning_train.callbacks.preemption import PreemptionCheckpoint
 from lightning_train.callbacks.progress import TokenProgressBar
 from lightning_train.callbacks.rng_state import RNGStateKeeper
@@ -19,6 +20,7 @@ __all__ = [
     "HangWatchdog",
     "LossScaleMonitor",
     "NaNRecovery",
+    "PeriodicCheckpoint",
     "PreemptionCheckpoint",
     "RNGStateKeeper",
     "RunSummary",
