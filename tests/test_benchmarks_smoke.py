@@ -87,3 +87,10 @@ def test_watchdog_overhead_smoke(tmp_path: Path) -> None:
     for clock in ("cpu", "wall"):
         check_comparison(payload["results"][clock], pairs=1)
     assert payload["hooks_cpu_us_per_step"] > 0 and 0 < payload["hooks_share_of_step"] < 0.05
+
+
+def test_async_checkpoint_smoke(tmp_path: Path) -> None:
+    payload = run_smoke("async_checkpoint.py", tmp_path / "async_checkpoint.json")
+    [result] = payload["results"].values()  # --smoke: the tiny model only
+    check_comparison(result["blocked"], pairs=1)
+    assert result["state_bytes"] > 0 and result["step_time"]["steps_during"] >= 1

@@ -17,7 +17,7 @@ import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
 from lightning_train._compat import PathLike, is_local_path
-from lightning_train.checkpoint.background import BackgroundWriter, stage
+from lightning_train.checkpoint.background import BackgroundWriter
 from lightning_train.checkpoint.format import (
     FORMAT_KEY,
     FORMAT_VERSION,
@@ -88,9 +88,9 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         checkpoint = {**checkpoint, FORMAT_KEY: {"format_version": FORMAT_VERSION}}
         if self.writer is None:
             self._write(checkpoint, path)
-        else:
-            staged = stage(checkpoint)  # the only part training waits for
-            self.writer.submit(checkpoint.get("global_step"), lambda: self._write(staged, path))
+        else:  # training waits only for the copy to host memory
+            step = checkpoint.get("global_step")
+            self.writer.submit(step, checkpoint, lambda staged: self._write(staged, path))
 
     def _write(self, checkpoint: dict[str, Any], path: Path) -> None:
         digest = atomic_write_bytes(path, lambda f: self._serialize(checkpoint, f))

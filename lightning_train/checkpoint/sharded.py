@@ -28,7 +28,7 @@ from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata
 
 from lightning_train._compat import METADATA_FILENAME, TORCH_LAYOUT_GLOBAL
-from lightning_train.checkpoint.background import BackgroundWriter, stage
+from lightning_train.checkpoint.background import BackgroundWriter
 from lightning_train.checkpoint.format import (
     begin_checkpoint_dir,
     commit_checkpoint_dir,
@@ -225,15 +225,14 @@ def save_sharded_checkpoint(
             commit_checkpoint_dir(staging, path, step, epoch)
         barrier()
         return
-    staged = stage(state)
 
-    def write() -> None:
+    def write(staged: dict[str, Any]) -> None:
         # DCP's coordinator (rank 0) returns once every rank's shard and the .metadata are written
         save(staged, checkpoint_id=str(staging), process_group=process_group)
         if is_writer:
             commit_checkpoint_dir(staging, path, step, epoch)
 
-    writer.submit(step, write)
+    writer.submit(step, state, write)
 
 
 def load_sharded_checkpoint(
