@@ -27,6 +27,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning_train._compat import cli_config_value, subcommand_parser
 from lightning_train._warnings import silence_resumed_checkpoint_dir
 from lightning_train.callbacks import (
+    DataMixtureMonitor,
     PreemptionCheckpoint,
     RNGStateKeeper,
     RunSummary,
@@ -161,6 +162,11 @@ class LightningTrainCLI(LightningCLI):
 
     def before_fit(self) -> None:
         self._resolve_checkpoint()
+        callbacks = self.trainer.callbacks
+        if getattr(self.datamodule, "mixture", None) and not any(
+            isinstance(c, DataMixtureMonitor) for c in callbacks
+        ):
+            callbacks.append(DataMixtureMonitor())  # data/<source>/tokens_seen, data/<source>/epoch
         config = self.config_init[self.subcommand]
         auto = (config.get("resume") or "").lower() == "auto"
         past_target = config["continue_past_target"]

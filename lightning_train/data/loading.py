@@ -124,7 +124,7 @@ class GlobalOrderSampler(DistributedSampler):
         self.on_global_batch_change: Callable[[int], None] | None = None
 
     def __iter__(self) -> Iterator[int]:
-        order = np.random.default_rng((self.seed, self.epoch)).permutation(len(self.dataset))
+        order = self._epoch_order()
         self.started = True
         self._draw_undelivered_again()
         if self._epoch_finished():  # iterated again without set_epoch: the next epoch
@@ -139,6 +139,14 @@ class GlobalOrderSampler(DistributedSampler):
             self.consumed += self.global_batch
             self.drawn.append(self._position())
             yield from batch.tolist()
+
+    def _epoch_order(self) -> np.ndarray:
+        """The epoch's global order: the permutation seeded by ``(seed, epoch)``, or the dataset's own
+        ``epoch_order(epoch)`` where it has one (a mixture's draws, shuffled by construction)."""
+        own = getattr(self.dataset, "epoch_order", None)
+        if own is not None:
+            return own(self.epoch)
+        return np.random.default_rng((self.seed, self.epoch)).permutation(len(self.dataset))
 
     def batch_handed_out(self) -> None:
         """The loader gave the oldest drawn batch to its caller: that is now the saved position."""

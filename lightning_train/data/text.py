@@ -6,6 +6,8 @@ token is a target once per epoch. Batches are ``{"input_ids": (B, T), "labels": 
 
 The loaders, their world-size-independent data position (resume at any device count) and the jump
 ``train_loader.sampler.skip_batches(n)`` come from ``data/loading.py``, shared with ``SFTDataModule``.
+``mixture={folder: weight, ...}`` draws from several prepared folders in those proportions
+(``data/mixture.py``); its batches carry each row's ``"source"`` index.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from torch.utils.data import Dataset
 
 from lightning_train.data.default_corpus import default_corpus_dir
 from lightning_train.data.loading import ResumableDataModule, check_at_least
+from lightning_train.data.mixture import LabeledSources, MixtureWindows
 from lightning_train.data.shards import read_meta
 from lightning_train.data.tokenizers import Tokenizer, load_tokenizer
 from lightning_train.errors import UserInputError
@@ -63,7 +66,11 @@ class TextDataModule(ResumableDataModule):
         seed: seeds the window order; epoch ``e`` uses the permutation for ``(seed, e)``.
         num_workers: data-loading processes per device (0 loads in the training process).
         val_batches: validation batches (of ``batch_size`` windows, spread evenly over the val split and the
-            same every time); ``None`` uses every val window.
+            same every time); ``None`` uses every val window. With a mixture: per source.
+        mixture: instead of ``data_dir``, prepared folders and their weights (``{"data/web": 0.7,
+            "data/code": 0.3}``): batches drawn from the sources in those proportions, each source's
+            epochs counted (``source_progress``); validation covers every source (``val/<name>/loss``
+            beside ``val/loss``). The sources must share a tokenizer.
 
     Example (the default corpus; ``prepare`` makes a dataset folder of your own text):
 
@@ -90,6 +97,7 @@ class TextDataModule(ResumableDataModule):
         seed: int = 1234,
         num_workers: int = 0,
         val_batches: int | None = 20,
+        mixture: dict[str, float] | None = None,
     ) -> None:
         super().__init__()
         check_at_least(
@@ -99,6 +107,7 @@ class TextDataModule(ResumableDataModule):
             raise UserInputError(
                 f"val_batches={val_batches} must be at least 1, or None for the whole val split"
             )
+        self.mixture = _check_mixture(mixture, data_dir)
         self.save_hyperparameters()
         self.data_dir, self.seq_len, self.batch_size = data_dir, seq_len, batch_size
         self.seed, self.num_workers, self.val_batches = seed, num_workers, val_batches
@@ -109,9 +118,41 @@ class TextDataModule(ResumableDataModule):
     # What the model module checks against its configuration
     @property
     def meta(self) -> dict[str, Any]:
+        """The dataset's ``meta.json`` (a mixture's: its first source's, with every source's shards)."""
         if self._meta is None:
-            self._meta = read_meta(self._resolve_dir())
+            if self.mixture is None:
+                self._meta = read_meta(self._resolve_dir())
+            else:
+                metas = {name: read_meta(Path(name).expanduser()) for name in self.mixture}
+                _check_same_tokens(metas)
+                first = next(iter(metas.values()))
+                self._meta = {**first, "shards": [s for meta in metas.values() for s in meta["shards"]]}
         return self._meta
+
+    @property
+    def source_names(self) -> list[str]:
+        """A name per source (its folder's name, made unique): ``data/<name>/*``, ``val/<name>/loss``."""
+        if self.mixture is None:
+            return []
+        names: list[str] = []
+        for folder in self.mixture:
+            name = Path(folder).expanduser().name.replace(".", "_") or "source"
+            names.append(name if name not in names else f"{name}_{len(names)}")
+        return names
+
+    def source_progress(self) -> dict[str, dict[str, int]]:
+        """Per source, after the batches handed out so far: ``tokens_seen`` (targets trained on) and
+        ``epoch`` (its passes completed). Empty without a mixture or before training."""
+        loader = getattr(self, "_train_loader", None)
+        if self.mixture is None or loader is None:
+            return {}
+        sampler = loader.sampler
+        position = sampler.handed_out
+        done = self.train_set.progress(position["epoch"], position["consumed"], sampler.epoch_samples)
+        return {
+            name: {"tokens_seen": draws * self.seq_len, "epoch": epoch}
+            for name, draws, epoch in zip(self.source_names, done["draws"], done["epoch"], strict=True)
+        }
 
     @property
     def vocab_size(self) -> int:
@@ -133,8 +174,15 @@ class TextDataModule(ResumableDataModule):
     def prepare_data(self) -> None:
         self._resolve_dir()  # builds the default corpus once per node
 
+    def train_dataloader(self) -> Any:
+        self._train_loader = super().train_dataloader()
+        return self._train_loader
+
     def setup(self, stage: str | None = None) -> None:
         if self.train_set is not None:
+            return
+        if self.mixture is not None:
+            self._setup_mixture()
             return
         folder, meta = self._resolve_dir(), self.meta
         train_set = self._windows(folder, meta, "train")
@@ -144,18 +192,69 @@ class TextDataModule(ResumableDataModule):
                 f"seq_len={self.seq_len} is too long for {folder}: its longest train shard has {longest} "
                 f"tokens, so use seq_len <= {max(longest - 1, 1)}"
             )
-        val_set = self._windows(folder, meta, "val")
+        self.train_set, self.val_set = train_set, self._limited(self._windows(folder, meta, "val"))
+
+    def _setup_mixture(self) -> None:
+        self.meta  # noqa: B018 - checks the sources agree before anything is read
+        train, val = [], []
+        for folder in self.mixture:
+            path = Path(folder).expanduser()
+            meta = read_meta(path)
+            windows = self._windows(path, meta, "train")
+            if len(windows) == 0:
+                raise UserInputError(
+                    f"mixture source {folder} has no train window of seq_len={self.seq_len}; lower seq_len "
+                    "or drop the source"
+                )
+            train.append(windows)
+            val.append(self._limited(self._windows(path, meta, "val")))
+        self.train_set = MixtureWindows(train, list(self.mixture.values()), self.seed)
+        self.val_set = LabeledSources(val)
+
+    def describe_train_set(self) -> str:
+        kind = "mixture draws" if self.mixture is not None else "windows"
+        return f"{len(self.train_set)} {kind} of seq_len={self.seq_len}"
+
+    def _limited(self, val_set: TokenWindows) -> TokenWindows:
         if self.val_batches is not None:
             wanted = min(self.val_batches * self.batch_size, val_set.num_windows)
             val_set.indices = np.arange(wanted) * val_set.num_windows // max(wanted, 1)  # evenly spread
-        self.train_set, self.val_set = train_set, val_set
-
-    def describe_train_set(self) -> str:
-        return f"{len(self.train_set)} windows of seq_len={self.seq_len}"
+        return val_set
 
     def _resolve_dir(self) -> Path:
+        if self.mixture is not None:
+            return Path(next(iter(self.mixture))).expanduser()
         return default_corpus_dir() if self.data_dir is None else Path(self.data_dir).expanduser()
 
     def _windows(self, folder: Path, meta: dict[str, Any], split: str) -> TokenWindows:
         paths = [folder / shard["file"] for shard in meta["shards"] if shard["split"] == split]
         return TokenWindows(paths, meta["dtype"], self.seq_len)
+
+
+def _check_mixture(mixture: dict[str, float] | None, data_dir: str | None) -> dict[str, float] | None:
+    if mixture is None:
+        return None
+    if data_dir is not None:
+        raise UserInputError("pass data_dir or mixture, not both (a single folder is a mixture of one)")
+    if not mixture:
+        raise UserInputError("mixture is empty; give prepared folders and weights, e.g. {'data/web': 0.7}")
+    for folder, weight in mixture.items():
+        if not isinstance(weight, int | float) or weight < 0:
+            raise UserInputError(f"mixture weight {weight!r} of {folder} must be a number >= 0")
+        if not Path(folder).expanduser().is_dir():
+            raise UserInputError(f"mixture source {folder} is not a folder; make it with `prepare` first")
+    if sum(mixture.values()) <= 0:
+        raise UserInputError(f"mixture weights {list(mixture.values())} sum to 0; give at least one > 0")
+    return dict(mixture)
+
+
+def _check_same_tokens(metas: dict[str, dict[str, Any]]) -> None:
+    """Every source must be tokenized alike: the model reads one vocabulary."""
+    (first, reference), *others = metas.items()
+    for folder, meta in others:
+        for key in ("tokenizer", "vocab_size"):
+            if meta.get(key) != reference.get(key):
+                raise UserInputError(
+                    f"mixture sources {first} and {folder} differ in {key} ({reference.get(key)!r} vs "
+                    f"{meta.get(key)!r}); prepare them with the same tokenizer"
+                )
