@@ -1,7 +1,10 @@
-"""Shared fixtures: a tiny model config, a small prepared corpus, and running the CLI as a real subprocess."""
+"""Shared fixtures: a tiny model config, a small prepared corpus, and running the CLI (a real subprocess, or
+in this process)."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import random
@@ -54,6 +57,21 @@ def run_cli(
         text=True,
         timeout=timeout,
     )
+
+
+def run_main(*args: str) -> tuple[int, str, str]:
+    """``python -m lightning_train ARGS`` in this process (the same code path from argv on, without
+    a new interpreter's start-up): exit code, stdout, stderr."""
+    from lightning_train.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    code = 0
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            main(list(args))
+        except SystemExit as stopped:
+            code = stopped.code
+    return code, out.getvalue(), err.getvalue()
 
 
 @pytest.fixture(scope="module")

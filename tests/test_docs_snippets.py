@@ -45,6 +45,15 @@ GIVEN: dict[str, Given] = {
          "--trainer.limit_val_batches=0"],
         ["export", "--checkpoint", "runs/finetune-tiny/checkpoints/last.ckpt", "--output", "exports/ft"],
     ]),
+    "docs/finetune.md#1": Given(cli=[  # the adapters section: a 2-step LoRA fine-tune, its base and adapters
+        ["fit", "--config", str(REPO / "configs" / "pretrain-tiny.yaml"), "--trainer.max_steps=2",
+         "--trainer.limit_val_batches=0"],
+        ["fit", "--config", str(REPO / "configs" / "finetune-tiny.yaml"), "--trainer.max_steps=2",
+         "--trainer.limit_val_batches=0", "--model.lora.rank=8"],
+        ["export", "--checkpoint", "runs/pretrain-tiny/checkpoints/last.ckpt", "--output", "exports/base"],
+        ["export", "--checkpoint", "runs/finetune-tiny/checkpoints/last.ckpt", "--output", "exports/adapter",
+         "--format", "peft", "--base_model", "exports/base"],
+    ]),
     "docs/precision.md#2": Given(prelude="docs/precision.md#1"),
     "docs/strategies.md#1": Given(cuda_devices=8),  # its first line is a 2-node x 8-GPU Trainer
     "docs/strategies.md#2": Given(

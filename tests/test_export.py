@@ -14,12 +14,11 @@ from safetensors.torch import load_file
 
 from lightning_train import FinetuneModule
 from lightning_train.checkpoint import export, open_pretrained
-from lightning_train.cli import main
 from lightning_train.data.default_corpus import stdlib_sources
 from lightning_train.data.tokenizers import ByteTokenizer, HFTokenizer
 from lightning_train.models.gpt import GPT, GPTConfig
 from lightning_train.models.lora import LoRAConfig, apply_lora, lora_layers
-from tests.conftest import run_cli
+from tests.conftest import run_cli, run_main
 from tests.helpers.ft_runs import sharded_two_rank_checkpoint
 
 transformers = pytest.importorskip("transformers")
@@ -201,27 +200,11 @@ def test_an_hf_tokenizer_is_copied(tmp_path):
     assert auto("héllo")["input_ids"] == ours.encode("héllo")
 
 
-def cli(*args: str) -> tuple[int, str, str]:
-    """``python -m lightning_train ARGS`` in this process (the same code path from argv on, without
-    a new interpreter's start-up): exit code, stdout, stderr."""
-    import contextlib
-    import io
-
-    out, err = io.StringIO(), io.StringIO()
-    code = 0
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            main(list(args))
-        except SystemExit as stopped:
-            code = stopped.code
-    return code, out.getvalue(), err.getvalue()
-
-
 def test_consolidate_is_export_format_safetensors(tmp_path):
     config = MODELS["llama-gqa-tied"]
     checkpoint = str(save_ckpt(trained_like(config), tmp_path / "m.ckpt", config))
     for args in (["consolidate"], ["export", "--format", "safetensors"]):
-        code, _, err = cli(*args, "--checkpoint", checkpoint, "--output", str(tmp_path / args[0]))
+        code, _, err = run_main(*args, "--checkpoint", checkpoint, "--output", str(tmp_path / args[0]))
         assert code == 0, err
     assert sorted(p.name for p in (tmp_path / "export").iterdir()) == ["config.json", "model.safetensors"]
     for name in ("config.json", "model.safetensors"):
@@ -232,6 +215,9 @@ def refusal_cases(tmp_path: Path) -> dict[str, tuple[list[str], str]]:
     rmsnorm_learned = GPTConfig(**SMALL, n_head=2, position="learned")
     gpt2_gqa = GPTConfig(**SMALL, n_head=4, n_kv_head=2, **GPT2_BLOCK)
     good = str(save_ckpt(trained_like(LLAMA_MHA), tmp_path / "good.ckpt", LLAMA_MHA))
+    lora = LoRAConfig(rank=2)
+    tuned = apply_lora(trained_like(LLAMA_MHA), lora)
+    tuned = str(save_ckpt(tuned, tmp_path / "lora.ckpt", LLAMA_MHA, lora=dataclasses.asdict(lora)))
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "notes.txt").write_text("mine")
     return {
@@ -244,6 +230,18 @@ def refusal_cases(tmp_path: Path) -> dict[str, tuple[list[str], str]]:
             "n_kv_head=2 != n_head=4 (grouped-query attention) does not map onto GPT2LMHeadModel",
         ),
         "non-empty output": ([good, "--output", str(tmp_path / "full")], "already exists and is not empty"),
+        "adapters into a non-empty output": (
+            [tuned, "--format", "peft", "--output", str(tmp_path / "full")],
+            "already exists and is not empty",
+        ),
+        "adapters of a model without LoRA": (
+            [good, "--format", "peft"],
+            f"--format peft: checkpoint {good} holds no LoRA adapters (it is not a fine-tune with "
+            "model.lora); export the whole model with --format hf",
+        ),
+        "base model of a whole-model export": (
+            [tuned, "--base_model", "exports/base"], "--base_model is recorded in peft adapters only",
+        ),
         "missing checkpoint": ([str(tmp_path / "nope.ckpt")], "does not exist"),
         "output is the checkpoint": (
             [str(tmp_path / "full"), "--output", str(tmp_path / "full"), "--overwrite", "true"],
@@ -256,14 +254,15 @@ def refusal_cases(tmp_path: Path) -> dict[str, tuple[list[str], str]]:
 def test_every_refusal_is_one_error_line_and_exit_2(tmp_path):
     for case, (args, message) in refusal_cases(tmp_path).items():
         output = [] if "--output" in args else ["--output", str(tmp_path / "out")]
-        code, _, err = cli("export", "--checkpoint", *args, *output)
+        code, _, err = run_main("export", "--checkpoint", *args, *output)
         lines = err.strip().splitlines()
         assert code == 2 and len(lines) == 1, (case, err[-2000:])
         assert lines[0].startswith("error: ") and message in lines[0], (case, lines)
         assert not (tmp_path / "out").exists(), case  # nothing written
     assert [p.name for p in (tmp_path / "full").iterdir()] == ["notes.txt"]
     good = str(tmp_path / "good.ckpt")
-    code, _, err = cli("export", "--checkpoint", good, "--output", str(tmp_path / "o"), "--format", "onnx")
+    args = ["--checkpoint", good, "--output", str(tmp_path / "o"), "--format", "onnx"]
+    code, _, err = run_main("export", *args)
     assert code == 2 and err.startswith("error: ") and "onnx" in err.splitlines()[0]
 
 

@@ -108,7 +108,8 @@ def test_lora_trains_only_adapters_and_merge_keeps_outputs(tmp_path):
 
 @pytest.mark.parametrize(
     ("mlp", "expected"),
-    [("swiglu", {"qkv", "proj", "gate", "up", "down"}), ("gelu", {"qkv", "proj", "up", "down"})],
+    [("swiglu", {"q", "k", "v", "proj", "gate", "up", "down"}),
+     ("gelu", {"q", "k", "v", "proj", "up", "down"})],
 )
 def test_lora_default_targets_every_block_linear_the_model_has(mlp, expected):
     from lightning_train.models.lora import apply_lora

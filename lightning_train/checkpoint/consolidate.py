@@ -1,6 +1,7 @@
 """``export``: any checkpoint of this package (a sharded folder of any world size, or a ``.ckpt``) or
 other weights source, written as a Hugging Face folder or in our safetensors format in one plain
-process; ``consolidate`` is its older name for the latter. Library functions: they return what they
+process, or a LoRA fine-tune's adapters as a peft adapter folder; ``consolidate`` is its older name
+for our format. Library functions: they return what they
 wrote and print nothing (the ``export`` and ``consolidate`` subcommands report it)."""
 
 from __future__ import annotations
@@ -9,7 +10,14 @@ import re
 from pathlib import Path
 from typing import Literal
 
-from lightning_train.checkpoint.export import CONFIG_FILE, EXPORT_FILES, MODEL_FILE, save_hf, save_safetensors
+from lightning_train.checkpoint.export import (
+    CONFIG_FILE,
+    EXPORT_FILES,
+    MODEL_FILE,
+    save_hf,
+    save_peft_adapter,
+    save_safetensors,
+)
 from lightning_train.checkpoint.pretrained import open_pretrained
 from lightning_train.errors import UserInputError
 from lightning_train.models.hf import hf_config
@@ -20,9 +28,10 @@ _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "M
 def export(
     checkpoint: str,
     output: str,
-    format: Literal["hf", "safetensors"] = "hf",
+    format: Literal["hf", "safetensors", "peft"] = "hf",
     overwrite: bool = False,
     max_shard_size: str = "5GB",
+    base_model: str | None = None,
 ) -> list[Path]:
     """Export a checkpoint of this package — a ``.ckpt`` file, a sharded folder of any world size
     (LoRA adapters merged), or any other source ``open_pretrained`` reads — in one plain process.
@@ -34,26 +43,42 @@ def export(
         format: ``hf``: a Hugging Face folder that ``transformers.AutoModelForCausalLM`` and
             ``AutoTokenizer`` load with no custom code (``LlamaForCausalLM`` for the Llama-style block,
             ``GPT2LMHeadModel`` for the GPT-2 block: config.json, model.safetensors, generation_config.json,
-            tokenizer.json, tokenizer_config.json). ``safetensors``: our own ``model.safetensors`` +
-            ``config.json`` (what ``consolidate`` writes).
+            tokenizer.json, tokenizer_config.json); a LoRA fine-tune's adapters are merged.
+            ``safetensors``: our own ``model.safetensors`` + ``config.json`` (what ``consolidate``
+            writes). ``peft``: a LoRA fine-tune's adapters, unmerged, as a peft adapter folder
+            (adapter_config.json, adapter_model.safetensors) for the ``hf`` export of the model it
+            started from: ``PeftModel.from_pretrained(base, output)``.
         overwrite: replace the files of an earlier export in ``output``.
         max_shard_size: above it the weights are split into ``model-0000i-of-0000n.safetensors`` with
             a ``model.safetensors.index.json`` (``hf`` only), e.g. ``5GB``, ``500MB`` or a byte count.
+        base_model: (``peft`` only) the base model's folder or hub id, recorded as the adapter's
+            ``base_model_name_or_path`` (what ``AutoPeftModelForCausalLM`` loads); default: none.
     """
     source, target = Path(checkpoint), Path(output)
     if not source.exists():
         raise UserInputError(f"checkpoint {source} does not exist; pass a .ckpt file or a checkpoint folder")
     if target.resolve() == source.resolve():
         raise UserInputError(f"--output {target} is the checkpoint being exported; choose another folder")
-    if format not in ("hf", "safetensors"):
-        raise UserInputError(f"--format {format!r} is not one of 'hf', 'safetensors'")
+    if format not in ("hf", "safetensors", "peft"):
+        raise UserInputError(f"--format {format!r} is not one of 'hf', 'safetensors', 'peft'")
+    if base_model is not None and format != "peft":
+        raise UserInputError("--base_model is recorded in peft adapters only; drop it or pass --format peft")
     shard_bytes = parse_size(max_shard_size)
-    _check_output(target, overwrite)
     pretrained = open_pretrained(source)
+    if format != "safetensors":
+        hf_config(pretrained.config)  # refuses a model with no HF equivalent before reading the weights
+    if format == "peft" and pretrained.lora is None:
+        raise UserInputError(
+            f"--format peft: checkpoint {source} holds no LoRA adapters (it is not a fine-tune with "
+            "model.lora); export the whole model with --format hf"
+        )
+    _check_output(target, overwrite)
     if format == "safetensors":
         save_safetensors(pretrained.build(), target)
         return [target / MODEL_FILE, target / CONFIG_FILE]
-    hf_config(pretrained.config)  # refuses a model with no HF equivalent before reading the weights
+    if format == "peft":
+        adapted = pretrained.build_adapted()
+        return save_peft_adapter(adapted, pretrained.config, pretrained.lora, target, base_model)
     return save_hf(pretrained.build(), target, pretrained.tokenizer, shard_bytes)
 
 

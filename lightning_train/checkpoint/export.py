@@ -1,6 +1,7 @@
-"""Writing exports: a Hugging Face model folder (``save_hf``) or our own format (``save_safetensors``:
-``model.safetensors``, the ``GPT.state_dict()``, + ``config.json``, its ``GPTConfig``), both of which
-``open_pretrained`` reads back. ``consolidate.export`` chooses between them for a checkpoint.
+"""Writing exports: a Hugging Face model folder (``save_hf``), the LoRA adapters of a fine-tune as a
+peft adapter folder for it (``save_peft_adapter``), or our own format (``save_safetensors``:
+``model.safetensors``, the ``GPT.state_dict()``, + ``config.json``, its ``GPTConfig``); the model
+folders ``open_pretrained`` reads back. ``consolidate.export`` chooses between them for a checkpoint.
 
     >>> import tempfile
     >>> from lightning_train.models.gpt import GPT, GPTConfig
@@ -21,20 +22,23 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from lightning_train.data.tokenizers import ByteTokenizer, HFTokenizer, load_tokenizer
 from lightning_train.errors import UserInputError
 from lightning_train.models.gpt import GPT, GPTConfig
-from lightning_train.models.hf import hf_config, state_dict_to_hf
+from lightning_train.models.hf import adapters_to_hf, hf_config, state_dict_to_hf
+from lightning_train.models.lora import LoRAConfig, adapters
 
 MODEL_FILE, CONFIG_FILE = "model.safetensors", "config.json"
 MODEL_TYPE = "gpt"  # the "model_type" of our config.json (HF folders name their own architecture)
 INDEX_FILE, GENERATION_FILE = "model.safetensors.index.json", "generation_config.json"
 TOKENIZER_FILE, TOKENIZER_CONFIG_FILE = "tokenizer.json", "tokenizer_config.json"
+ADAPTER_CONFIG_FILE, ADAPTER_FILE = "adapter_config.json", "adapter_model.safetensors"  # peft's names
 # Files an export may have written; --overwrite replaces these and leaves anything else in the folder.
 EXPORT_FILES = re.compile(
-    r"(config|generation_config|tokenizer|tokenizer_config|special_tokens_map)\.json"
-    r"|model(-\d+-of-\d+)?\.safetensors|model\.safetensors\.index\.json"
+    r"(config|generation_config|tokenizer|tokenizer_config|special_tokens_map|adapter_config)\.json"
+    r"|(model(-\d+-of-\d+)?|adapter_model)\.safetensors|model\.safetensors\.index\.json"
 )
 
 
@@ -56,6 +60,49 @@ def save_hf(
     if tokenizer is not None:
         written += _write_tokenizer(tokenizer, output_dir, model.config.block_size)
     return sorted(written)
+
+
+def save_peft_adapter(
+    model: nn.Module, config: GPTConfig, lora: LoRAConfig, output_dir: Path, base_model: str | None
+) -> list[Path]:
+    """Write the unmerged LoRA adapters of ``model`` (our GPT after ``apply_lora``) as a peft adapter
+    folder for the Hugging Face model that ``save_hf`` writes of its base: ``adapter_config.json``
+    (``base_model_name_or_path`` = ``base_model``) + ``adapter_model.safetensors`` in peft's key names
+    (``base_model.model.<module>.lora_A.weight``); returns the files."""
+    from peft import LoraConfig
+
+    output_dir.mkdir(parents=True, exist_ok=True)
+    hf = adapters_to_hf(adapters(model), config)
+    with torch.device("meta"):
+        hf_modules = {key.rpartition(".")[0] for key in state_dict_to_hf(GPT(config).state_dict(), config)}
+    targets = {module: _peft_target(module, hf_modules, set(hf)) for module in hf}
+    ranks = {targets[module]: a.shape[0] for module, (a, _) in hf.items() if a.shape[0] != lora.rank}
+    peft_config = LoraConfig(
+        r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+        target_modules=sorted(set(targets.values())),
+        # q/k/v adapters joined on GPT-2's fused c_attn have their summed rank; alpha keeps the scale
+        rank_pattern=ranks, alpha_pattern={t: lora.alpha * rank / lora.rank for t, rank in ranks.items()},
+        fan_in_fan_out=_hf_flavour_is_gpt2(config), bias="none", task_type="CAUSAL_LM",
+        base_model_name_or_path=base_model,
+    )
+    peft_config.save_pretrained(str(output_dir))
+    weights = {}
+    for module, (a, b) in hf.items():
+        weights[f"base_model.model.{module}.lora_A.weight"] = a.cpu().contiguous().clone()
+        weights[f"base_model.model.{module}.lora_B.weight"] = b.cpu().contiguous().clone()
+    return [output_dir / ADAPTER_CONFIG_FILE, _write_safetensors(output_dir / ADAPTER_FILE, weights)]
+
+
+def _peft_target(module: str, hf_modules: set[str], adapted: set[str]) -> str:
+    """The ``target_modules`` entry of ``module``: its last name (``q_proj``), or its last two
+    (``attn.c_proj``) where the last one also names a module without an adapter (GPT-2's MLP c_proj)."""
+    last = module.rpartition(".")[2]
+    namesakes = {m for m in hf_modules if m.rpartition(".")[2] == last}
+    return last if namesakes <= adapted else ".".join(module.split(".")[-2:])
+
+
+def _hf_flavour_is_gpt2(config: GPTConfig) -> bool:
+    return hf_config(config)["model_type"] == "gpt2"  # its Conv1D layers store weights as (in, out)
 
 
 def _dtype_name(weights: dict[str, torch.Tensor]) -> str:

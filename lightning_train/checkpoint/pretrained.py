@@ -30,12 +30,17 @@ from lightning_train.checkpoint.export import (
     read_gpt_config,
 )
 from lightning_train.checkpoint.format import read_checkpoint
-from lightning_train.checkpoint.sharded import is_sharded_checkpoint, load_sharded_model_state, read_metadata
+from lightning_train.checkpoint.sharded import (
+    checkpoint_tensor_shapes,
+    is_sharded_checkpoint,
+    load_sharded_model_state,
+    read_metadata,
+)
 from lightning_train.data.tokenizers import ByteTokenizer
 from lightning_train.errors import CorruptCheckpointError, UserInputError
 from lightning_train.models.gpt import GPT, GPTConfig
 from lightning_train.models.hf import config_from_hf, state_dict_from_hf
-from lightning_train.models.lora import LoRAConfig, apply_lora, merge_lora
+from lightning_train.models.lora import LoRAConfig, apply_lora, merge_lora, saved_lora_config
 from lightning_train.models.weights import load_into
 
 PICKLE_SUFFIXES = (".ckpt", ".pt", ".pth", ".bin")
@@ -47,7 +52,8 @@ StateDict = dict[str, torch.Tensor]
 class Pretrained:
     """What a weights source provides: the model's config, its tokenizer spec (``"byte"``, a path
     for ``load_tokenizer``, or None when unknown) and a function returning the full state dict in
-    our GPT's key names (deferred, so a caller can read the config without loading the weights).
+    our GPT's key names (deferred, so a caller can read the config without loading the weights), LoRA
+    adapters merged; for a LoRA fine-tune also its ``LoRAConfig`` and the unmerged model.
 
     Example (from the ``.ckpt`` of a short pretraining run):
 
@@ -77,12 +83,20 @@ class Pretrained:
     config: GPTConfig
     tokenizer: str | None
     read_state_dict: Callable[[], StateDict]
+    lora: LoRAConfig | None = None
+    read_adapted: Callable[[], nn.Module] | None = None
 
     def build(self) -> GPT:
         """A ``GPT`` with these weights (on the CPU, in eval mode)."""
         model = GPT(self.config)
         load_into(model, self.read_state_dict(), self.source)
         return model.eval()
+
+    def build_adapted(self) -> nn.Module:
+        """A LoRA fine-tune's ``GPT`` with its adapters unmerged (on the CPU, in eval mode)."""
+        if self.read_adapted is None:
+            raise UserInputError(f"{self.source!r} holds no LoRA adapters")
+        return self.read_adapted().eval()
 
 
 def open_pretrained(
@@ -110,7 +124,8 @@ def open_pretrained(
         path = path / MODEL_FILE
     if path.is_dir() and is_sharded_checkpoint(path):
         _refuse_pickle(path, allow_pickle)
-        return _from_lightning_checkpoint(path, read_metadata(path), config, _sharded_reader(path))
+        metadata, keys = read_metadata(path), lambda: list(checkpoint_tensor_shapes(path))
+        return _from_lightning_checkpoint(path, metadata, config, keys, _sharded_reader(path))
     if path.is_dir():
         return _from_hf_folder(path, tokenizer, allow_pickle)
     if path.suffix == ".safetensors":
@@ -128,7 +143,7 @@ def open_pretrained(
         if config is None:
             raise UserInputError(f"{str(source)!r} is a bare state dict; give its model.config to load it")
         return Pretrained(str(path), config, tokenizer or _byte_if_fits(config), lambda: checkpoint)
-    return _from_lightning_checkpoint(path, checkpoint, config)
+    return _from_lightning_checkpoint(path, checkpoint, config, lambda: list(checkpoint["state_dict"]))
 
 
 def read_safetensors(path: Path) -> StateDict:
@@ -165,6 +180,7 @@ def _from_lightning_checkpoint(
     path: Path,
     checkpoint: dict[str, Any],
     config: GPTConfig | None,
+    saved_keys: Callable[[], list[str]],
     read_shards: Callable[[nn.Module], StateDict] | None = None,
 ) -> Pretrained:
     source = str(path)
@@ -174,26 +190,29 @@ def _from_lightning_checkpoint(
     if not isinstance(config, GPTConfig):
         raise UserInputError(f"checkpoint {source!r} records no GPTConfig; give its model.config to load it")
     tokenizer = hparams.get("tokenizer") or _tokenizer_of_data(checkpoint) or _byte_if_fits(config)
-    lora = hparams.get("lora")
+    lora = hparams.get("lora") or None
+    if lora is not None:  # a dict in checkpoints of this version, a LoRAConfig in older ones
+        lora = saved_lora_config(LoRAConfig(**lora) if isinstance(lora, dict) else lora, saved_keys())
+
+    def network_weights() -> StateDict:
+        if read_shards is not None:
+            return read_shards(GPT(config))
+        module_state = checkpoint["state_dict"].items()
+        weights = {k.removeprefix(MODULE_PREFIX): v for k, v in module_state if k.startswith(MODULE_PREFIX)}
+        return {k.replace("_orig_mod.", ""): v for k, v in weights.items()}  # torch.compile'd modules
+
+    def read_adapted() -> nn.Module:
+        model = apply_lora(GPT(config), lora)
+        if read_shards is not None:
+            read_shards(model)
+        else:
+            load_into(model, network_weights(), source)
+        return model
 
     def read_state_dict() -> StateDict:
-        model = GPT(config)
-        if lora:
-            model = apply_lora(model, LoRAConfig(**lora) if isinstance(lora, dict) else lora)
-        if read_shards is not None:
-            weights = read_shards(model)
-        else:
-            state_dict = checkpoint["state_dict"]
-            weights = {
-                k.removeprefix(MODULE_PREFIX): v for k, v in state_dict.items() if k.startswith(MODULE_PREFIX)
-            }
-            weights = {k.replace("_orig_mod.", ""): v for k, v in weights.items()}  # torch.compile'd modules
-            if not lora:
-                return weights
-            load_into(model, weights, source)
-        return merge_lora(model).state_dict() if lora else weights
+        return merge_lora(read_adapted()).state_dict() if lora else network_weights()
 
-    return Pretrained(source, config, tokenizer, read_state_dict)
+    return Pretrained(source, config, tokenizer, read_state_dict, lora, read_adapted if lora else None)
 
 
 def _tokenizer_of_data(checkpoint: dict[str, Any]) -> str | None:

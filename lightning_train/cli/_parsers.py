@@ -19,7 +19,7 @@ PROG = "python -m lightning_train"
 TOOLS = {
     "prepare": "Tokenize text files into token shards for training.",
     "generate": "Print a model's completions of prompts.",
-    "export": "Export a checkpoint as a Hugging Face model folder.",
+    "export": "Export a checkpoint as a Hugging Face model folder or peft adapters.",
     "consolidate": "The older name of `export --format safetensors`.",
     "report": "Plot a run's metrics to PNGs and report.html.",
     "dashboard": "Save a run's W&B dashboard and its JSON spec.",

@@ -1,5 +1,5 @@
 """``python -m lightning_train export``: a checkpoint of any world size to a Hugging Face folder (or
-``--format safetensors``)."""
+``--format safetensors``, or a LoRA fine-tune's adapters with ``--format peft``)."""
 
 from __future__ import annotations
 

@@ -19,6 +19,7 @@ import copy
 import dataclasses
 from collections import defaultdict
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -27,7 +28,15 @@ from torchmetrics import MeanMetric
 from lightning_train.checkpoint import open_pretrained, save_safetensors
 from lightning_train.errors import UserInputError
 from lightning_train.models.gpt import GPT, GPTConfig
-from lightning_train.models.lora import LoRAConfig, apply_lora, lora_layers, merge_lora, reset_lora
+from lightning_train.models.lora import (
+    LoRAConfig,
+    adapted_layers,
+    apply_lora,
+    lora_layers,
+    merge_lora,
+    reset_lora,
+    to_adapted_names,
+)
 from lightning_train.models.weights import check_keys, load_into
 from lightning_train.modules.pretrain import PretrainModule
 
@@ -158,17 +167,33 @@ class FinetuneModule(PretrainModule):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
         model, state_dict = self.model, self._pretrained.read_state_dict()
+        with torch.device("meta"):
+            expected = {k: v.shape for k, v in GPT(self.config).state_dict().items()}
+        tied = {"lm_head.weight"} if self.config.tie_embeddings else set()
+        check_keys(expected, state_dict, self._pretrained.source, optional=tied)
         if self.config.tie_embeddings:
             state_dict.setdefault("lm_head.weight", state_dict["embed.weight"])
-        # Our key names -> the model's (LoRA moved the adapted weights to `<layer>.base_layer`).
-        current = {k: v.shape for k, v in model.state_dict().items() if "lora_" not in k}
-        renamed = {k.replace(".base_layer", ""): k for k in current}
-        expected = {k: current[theirs] for k, theirs in renamed.items()}
-        check_keys(expected, state_dict, self._pretrained.source)
-        state_dict = {renamed[k]: v for k, v in state_dict.items()}
+        # Our key names -> the model's (LoRA moved the adapted weights to `<layer>.base_layer`, split qkv).
+        state_dict = to_adapted_names(state_dict, model)
         set_model_state_dict(model, state_dict, options=StateDictOptions(full_state_dict=True, strict=False))
         reset_lora(model)  # the strategy's generic reset_parameters gave lora_B random values
         self._weights_pending, self._pretrained = False, None
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Refuse, with the fix, a checkpoint whose adapters sit on other layers than this model's (a
+        fine-tune from before per-projection adapters: one adapter on the fused qkv)."""
+        if self.model is None or "state_dict" not in checkpoint:
+            return
+        saved = adapted_layers(checkpoint["state_dict"])
+        ours = adapted_layers(name for name, _ in self.model.named_parameters())
+        if saved != ours:
+            fix = f"model.lora.target_modules: [{', '.join(saved)}]" if saved else "model.lora: null"
+            raise UserInputError(
+                f"the checkpoint has LoRA adapters on {saved or 'no layer'}, this model on "
+                f"{ours or 'no layer'}; resume it with {fix} (on the command line with --resume CKPT: "
+                "--ckpt_path re-applies the settings the checkpoint recorded), or start a new fine-tune "
+                "from it with model.init_from (its adapters are merged)"
+            )
 
     # ---- evaluation ----------------------------------------------------------------------------
     def on_validation_epoch_start(self) -> None:
