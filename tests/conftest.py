@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import random
@@ -54,6 +56,21 @@ def run_cli(
         text=True,
         timeout=timeout,
     )
+
+
+def cli_in_process(*args: str) -> tuple[int, str, str]:
+    """``python -m lightning_train ARGS`` in this process (the same code path from argv on, without
+    a new interpreter's start-up): exit code, stdout, stderr."""
+    from lightning_train.cli import main  # not at the top: most tests never need the CLI's imports
+
+    out, err = io.StringIO(), io.StringIO()
+    code = 0
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            main(list(args))
+        except SystemExit as stopped:
+            code = stopped.code
+    return code, out.getvalue(), err.getvalue()
 
 
 @pytest.fixture(scope="module")

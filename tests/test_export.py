@@ -14,11 +14,11 @@ from safetensors.torch import load_file
 
 from lightning_train import FinetuneModule
 from lightning_train.checkpoint import export, open_pretrained
-from lightning_train.cli import main
-from lightning_train.data.default_corpus import stdlib_sources
+from lightning_train.data.sources import stdlib_sources
 from lightning_train.data.tokenizers import ByteTokenizer, HFTokenizer
 from lightning_train.models.gpt import GPT, GPTConfig
 from lightning_train.models.lora import LoRAConfig, apply_lora, lora_layers
+from tests.conftest import cli_in_process as cli
 from tests.conftest import run_cli
 from tests.helpers.ft_runs import sharded_two_rank_checkpoint
 
@@ -199,22 +199,6 @@ def test_an_hf_tokenizer_is_copied(tmp_path):
     auto = transformers.AutoTokenizer.from_pretrained(tmp_path / "copy")
     assert (auto.eos_token_id, auto.pad_token_id) == (256, 257)
     assert auto("héllo")["input_ids"] == ours.encode("héllo")
-
-
-def cli(*args: str) -> tuple[int, str, str]:
-    """``python -m lightning_train ARGS`` in this process (the same code path from argv on, without
-    a new interpreter's start-up): exit code, stdout, stderr."""
-    import contextlib
-    import io
-
-    out, err = io.StringIO(), io.StringIO()
-    code = 0
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            main(list(args))
-        except SystemExit as stopped:
-            code = stopped.code
-    return code, out.getvalue(), err.getvalue()
 
 
 def test_consolidate_is_export_format_safetensors(tmp_path):

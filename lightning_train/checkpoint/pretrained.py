@@ -31,6 +31,7 @@ from lightning_train.checkpoint.export import (
 )
 from lightning_train.checkpoint.format import read_checkpoint
 from lightning_train.checkpoint.sharded import is_sharded_checkpoint, load_sharded_model_state, read_metadata
+from lightning_train.data.shards import tokenizer_spec
 from lightning_train.data.tokenizers import ByteTokenizer
 from lightning_train.errors import CorruptCheckpointError, UserInputError
 from lightning_train.models.gpt import GPT, GPTConfig
@@ -203,8 +204,9 @@ def _tokenizer_of_data(checkpoint: dict[str, Any]) -> str | None:
         return None
     if data["data_dir"] is None:
         return "byte"  # the default corpus
+    folder = Path(data["data_dir"])
     try:
-        return json.loads((Path(data["data_dir"]) / "meta.json").read_text(encoding="utf-8"))["tokenizer"]
+        return tokenizer_spec(folder, json.loads((folder / "meta.json").read_text(encoding="utf-8")))
     except (OSError, ValueError, KeyError):
         return None
 
