@@ -65,6 +65,13 @@ def test_print_config_resolves_every_section(tmp_path):
     assert config["data"]["init_args"]["seq_len"] == 128
 
 
+def test_every_config_is_run_by_a_test():
+    """The README promises it: each configs/*.yaml is named (as a string) in a test file that runs it."""
+    tests = "".join(path.read_text() for path in (REPO / "tests").glob("test_*.py"))
+    untested = [path.name for path in (REPO / "configs").glob("*.yaml") if f'"{path.name}"' not in tests]
+    assert not untested, f"no test runs {untested}"
+
+
 def test_prepare_then_fit_on_own_corpus(tmp_path):
     corpus = tmp_path / "corpus"
     corpus.mkdir()

@@ -171,6 +171,28 @@ BAD_VALUES = [
         ["prepare", "--inputs", "[doc.txt]", "--output_dir", "out", "--tokenizer", "/no/tok.json"],
         ["/no/tok.json", "'byte'"],
     ),
+    (["prepare", "--inputs", "[doc.txt]"], ["output_dir is missing", "--output_dir"]),
+    (
+        ["prepare", "--inputs", "[doc.txt]", "--output_dir", "out", "--train_tokenizer", "bpe"],
+        ["needs vocab_size", "--vocab_size N", "258"],
+    ),
+    (
+        ["prepare", "--inputs", "[doc.txt]", "--output_dir=out", "--train_tokenizer=bpe", "--vocab_size=257"],
+        ["vocab_size=257", "below 258", "4096"],
+    ),
+    (
+        ["prepare", "--inputs", "[doc.txt]", "--output_dir", "out", "--train_tokenizer", "wordpiece"],
+        ["'wordpiece'", "'bpe'"],
+    ),
+    (
+        ["prepare", "--inputs", "[doc.txt]", "--output_dir", "out", "--vocab_size", "512"],
+        ["vocab_size=512", "--train_tokenizer bpe"],
+    ),
+    (
+        ["prepare", "--inputs", "[doc.txt]", "--output_dir", "out", "--tokenizer", "t.json",
+         "--train_tokenizer", "bpe", "--vocab_size", "512"],
+        ["'t.json'", "'bpe'", "only one"],
+    ),
     (["generate", "--checkpoint", "none.ckpt", "--prompt", "x"], ["none.ckpt", ".safetensors"]),
     (["generate", "--checkpoint", "doc.txt", "--prompt", "x"], ["doc.txt", ".safetensors"]),
     (["generate", "--checkpoint", "model", "--prompt", "x", "--max_new_tokens", "0"], ["0", "at least 1"]),

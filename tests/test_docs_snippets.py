@@ -38,7 +38,7 @@ class Given:
 
 
 GIVEN: dict[str, Given] = {
-    "README.md#1": Given(cli=[  # the fine-tune section's export, of a 2-step pretraining and fine-tune
+    "README.md#2": Given(cli=[  # the fine-tune section's export, of a 2-step pretraining and fine-tune
         ["fit", "--config", str(REPO / "configs" / "pretrain-tiny.yaml"), "--trainer.max_steps=2",
          "--trainer.limit_val_batches=0"],
         ["fit", "--config", str(REPO / "configs" / "finetune-tiny.yaml"), "--trainer.max_steps=2",
@@ -84,7 +84,7 @@ def shortened(code: str) -> str:
 def test_every_snippet_is_found() -> None:
     """The collection itself: a renamed key in GIVEN or a lost ```python fence would hide a snippet."""
     assert set(GIVEN) <= set(SNIPPETS), set(GIVEN) - set(SNIPPETS)
-    assert "README.md#1" in SNIPPETS and len(SNIPPETS) >= 10
+    assert "README.md#2" in SNIPPETS and len(SNIPPETS) >= 10
 
 
 @pytest.mark.parametrize("name", list(SNIPPETS))

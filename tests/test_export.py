@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 from lightning_train import FinetuneModule
 from lightning_train.checkpoint import export, open_pretrained
-from lightning_train.data.default_corpus import stdlib_sources
+from lightning_train.data.sources import stdlib_sources
 from lightning_train.data.tokenizers import ByteTokenizer, HFTokenizer
 from lightning_train.models.gpt import GPT, GPTConfig
 from lightning_train.models.lora import LoRAConfig, apply_lora, lora_layers

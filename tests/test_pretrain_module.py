@@ -120,7 +120,8 @@ def test_validate_then_fit_in_one_process(tiny_config, tmp_path):
 
 def test_readme_snippet_trains_on_the_default_corpus(tmp_path, monkeypatch):
     """README "In your own Trainer", as written but for max_steps: GPTConfig says no vocab_size, so the
-    model takes the corpus's 258 (bytes, end of text, pad). The default was 256: token 256 failed fit."""
+    model takes the corpus's 258 (bytes, end of text, pad), padded to 320. The default was 256: token 256
+    failed fit."""
     from lightning_train import GPTConfig, TextDataModule
     from tests.conftest import cli_env
 
@@ -130,10 +131,10 @@ def test_readme_snippet_trains_on_the_default_corpus(tmp_path, monkeypatch):
                         enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(module, TextDataModule(seq_len=128, batch_size=16))
     assert trainer.global_step == 3 and torch.isfinite(trainer.callback_metrics["train/loss"])
-    assert module.model.embed.num_embeddings == 258
+    assert module.model.embed.num_embeddings == 320
     (checkpoint,) = (tmp_path / "lightning_logs").rglob("*.ckpt")
     saved = torch.load(checkpoint, weights_only=False)["hyper_parameters"]["config"]
-    assert saved.vocab_size == 258  # a complete source for FinetuneModule and generate
+    assert saved.vocab_size == 320  # a complete source for FinetuneModule and generate
 
 
 def test_vocab_size_left_unset_without_data_that_knows_it_is_one_clear_error(tmp_path):

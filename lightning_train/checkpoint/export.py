@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_train.data.bpe import byte_level_bpe
 from lightning_train.data.tokenizers import ByteTokenizer, HFTokenizer, load_tokenizer
 from lightning_train.errors import UserInputError
 from lightning_train.models.gpt import GPT, GPTConfig
@@ -175,17 +176,7 @@ def byte_tokenizer_json() -> str:
     """``ByteTokenizer`` as a ``tokenizers`` tokenizer.json: each byte is one token whose id is the
     byte's value (a byte-level BPE without merges), then ``<|endoftext|>`` and ``<|pad|>``; decoding
     turns ids back into bytes and those into text with invalid UTF-8 replaced, as ours does."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
-
-    byte_chars = _bytes_to_unicode()
-    vocab = {byte_chars[b]: b for b in range(256)} | {t: i for i, t in ByteTokenizer.special_tokens.items()}
-    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.add_special_tokens(
-        [AddedToken(t, special=True, normalized=False) for t in ByteTokenizer.special_tokens.values()]
-    )
-    return tokenizer.to_str(pretty=True)
+    return byte_level_bpe([], [], split_words=False).to_str(pretty=True)
 
 
 def is_byte_tokenizer(path: Path) -> bool:
@@ -194,14 +185,6 @@ def is_byte_tokenizer(path: Path) -> bool:
         return json.loads(path.read_text(encoding="utf-8")) == json.loads(byte_tokenizer_json())
     except (OSError, ValueError, ImportError):
         return False
-
-
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's printable character for each byte, the alphabet of ``tokenizers``' ByteLevel steps."""
-    ranges = (("!", "~"), ("¡", "¬"), ("®", "ÿ"))
-    printable = [b for first, last in ranges for b in range(ord(first), ord(last) + 1)]
-    others = [b for b in range(256) if b not in printable]
-    return {b: chr(b) for b in printable} | {b: chr(256 + n) for n, b in enumerate(others)}
 
 
 def _write_json(path: Path, values: dict[str, Any]) -> Path:

@@ -36,6 +36,7 @@ from lightning_train.checkpoint.sharded import (
     load_sharded_model_state,
     read_metadata,
 )
+from lightning_train.data.shards import tokenizer_spec
 from lightning_train.data.tokenizers import ByteTokenizer
 from lightning_train.errors import CorruptCheckpointError, UserInputError
 from lightning_train.models.gpt import GPT, GPTConfig
@@ -222,8 +223,9 @@ def _tokenizer_of_data(checkpoint: dict[str, Any]) -> str | None:
         return None
     if data["data_dir"] is None:
         return "byte"  # the default corpus
+    folder = Path(data["data_dir"])
     try:
-        return json.loads((Path(data["data_dir"]) / "meta.json").read_text(encoding="utf-8"))["tokenizer"]
+        return tokenizer_spec(folder, json.loads((folder / "meta.json").read_text(encoding="utf-8")))
     except (OSError, ValueError, KeyError):
         return None
 

@@ -63,7 +63,7 @@ def generate(
         ]
     completions = generate_batched(
         model, [tok.encode(p) for p in prompts], max_new_tokens, tok.eos_id, temperature, top_k,
-        device=device, use_cache=use_cache,
+        device=device, use_cache=use_cache, tokenizer_vocab_size=tok.vocab_size,
     )
     return [p + tok.decode(c) for p, c in zip(prompts, completions, strict=True)]
 

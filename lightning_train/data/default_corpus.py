@@ -8,24 +8,11 @@ from __future__ import annotations
 
 import os
 import platform
-import sysconfig
 from pathlib import Path
 
 from lightning_train.data.shards import FORMAT_VERSION, prepare
+from lightning_train.data.sources import stdlib_sources
 from lightning_train.errors import UserInputError
-
-MAX_BYTES = 8_000_000
-# Test suites, generated tables and third-party code would not teach much about ordinary Python code.
-SKIP_DIRS = {
-    "site-packages",
-    "dist-packages",
-    "__pycache__",
-    "test",
-    "tests",
-    "idle_test",
-    "encodings",
-    "pydoc_data",
-}
 
 
 def cache_dir() -> Path:
@@ -65,20 +52,3 @@ def default_corpus_dir() -> Path:
             f"cannot build the default corpus in {str(out.parent)!r} ({err}); "
             "set LIGHTNING_TRAIN_CACHE to a writable folder"
         ) from err
-
-
-def stdlib_sources(max_bytes: int = MAX_BYTES) -> list[Path]:
-    """The standard library's ``.py`` files in sorted order, up to ``max_bytes`` in total."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    files = []
-    for folder, dirs, names in os.walk(root):
-        dirs[:] = [d for d in dirs if d not in SKIP_DIRS and not d.startswith(".")]
-        files.extend(Path(folder, name) for name in names if name.endswith(".py"))
-    selected, total = [], 0
-    for path in sorted(files, key=lambda p: p.relative_to(root).parts):
-        size = path.stat().st_size
-        if total + size > max_bytes:
-            break
-        selected.append(path)
-        total += size
-    return selected

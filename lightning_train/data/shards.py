@@ -3,6 +3,7 @@
 Layout of a dataset folder::
 
     meta.json          format version, tokenizer spec, vocab_size, eos/pad ids, dtype, shard list, totals
+    tokenizer.json     the tokenizer, when ``prepare`` trained it on the inputs (``train_tokenizer``)
     train_00000.bin    token ids (uint16 if the vocabulary fits, else uint32), documents separated by eos
     val_00000.bin      ...
 
@@ -30,7 +31,8 @@ from typing import Any, BinaryIO
 import numpy as np
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 
-from lightning_train.data.sources import Piece, collect_files, iter_pieces
+from lightning_train.data.bpe import TOKENIZER_FILE, check_tokenizer_choice, train_bpe
+from lightning_train.data.sources import Piece, collect_files, iter_pieces, stdlib_sources
 from lightning_train.data.tokenizers import Tokenizer, load_tokenizer
 from lightning_train.errors import UserInputError
 
@@ -46,20 +48,23 @@ class PreparedDataset:
     output_dir: Path
     input_files: int
     input_bytes: int
-    tokenizer: str
+    tokenizer: str  # what load_tokenizer takes: "byte", or a tokenizer.json (the folder's own when trained)
     vocab_size: int
     train_tokens: int  # as in meta.json: the document-end tokens included
     val_tokens: int
     shard_files: tuple[str, ...]  # the token files, in meta.json's order (train first)
     seconds: float
+    trained_tokenizer: str | None = None  # "bpe": the tokenizer was trained on the inputs
 
     @property
     def total_tokens(self) -> int:
         return self.train_tokens + self.val_tokens
 
     def __str__(self) -> str:
+        tokenizer = (f"{self.trained_tokenizer} tokenizer trained on the inputs" if self.trained_tokenizer
+                     else f"{self.tokenizer} tokenizer")
         lines = [f"wrote {self.output_dir} ({self.total_tokens:,} tokens from {self.input_files:,} files, "
-                 f"{_size(self.input_bytes)}, in {self.seconds:.1f} s; {self.tokenizer} tokenizer, "
+                 f"{_size(self.input_bytes)}, in {self.seconds:.1f} s; {tokenizer}, "
                  f"vocab_size {self.vocab_size:,})"]
         width = len(f"{self.total_tokens:,}")
         for split, tokens in (("train", self.train_tokens), ("val", self.val_tokens)):
@@ -67,7 +72,11 @@ class PreparedDataset:
             share = tokens / max(self.total_tokens, 1)
             lines.append(f"  {split:<5} {tokens:>{width},} tokens {share:6.1%}  {_file_range(files)}")
         lines.append("  meta.json (tokenizer, vocabulary, shard list)")
-        lines.append("train on it: python -m lightning_train fit --config configs/pretrain-tiny.yaml "
+        if self.trained_tokenizer:
+            lines.append(f"  {TOKENIZER_FILE} (the trained tokenizer: generate and export use it)")
+        # pretrain-tiny.yaml's model has the byte vocabulary; pretrain-small-bpe.yaml takes the data's
+        config = "pretrain-tiny.yaml" if self.tokenizer == "byte" else "pretrain-small-bpe.yaml"
+        lines.append(f"train on it: python -m lightning_train fit --config configs/{config} "
                      f"--data.init_args.data_dir {self.output_dir}")
         return "\n".join(lines)
 
@@ -83,27 +92,34 @@ def _file_range(names: list[str]) -> str:
 
 
 def prepare(
-    inputs: list[str],
-    output_dir: str,
+    inputs: list[str] | None = None,
+    output_dir: str | None = None,
     tokenizer: str = "byte",
     val_fraction: float = 0.01,
     jsonl_field: str = "text",
     num_workers: int | None = None,
     shard_tokens: int = 50_000_000,
     overwrite: bool = False,
+    train_tokenizer: str | None = None,
+    vocab_size: int | None = None,
 ) -> PreparedDataset:
     """Tokenize text files, folders and JSONL files into token shards in ``output_dir``; returns what it
     wrote (``.output_dir`` is the dataset folder). Prints nothing but its progress bar.
 
     Args:
-        inputs: text files, folders (text-like files inside, recursively, sorted) and ``.jsonl`` files.
-        output_dir: the dataset folder to create; written elsewhere first and renamed into place at the end.
+        inputs: text files, folders (text-like files inside, recursively, sorted) and ``.jsonl`` files;
+            None (left out): the default corpus, this Python's standard-library sources.
+        output_dir: the dataset folder to create (required); written elsewhere first and renamed into
+            place at the end.
         tokenizer: ``"byte"`` or the path of a Hugging Face ``tokenizer.json`` (see ``load_tokenizer``).
         val_fraction: share of tokens held out for validation, in [0, 1).
         jsonl_field: the field of each JSONL record that holds the document text.
         num_workers: tokenizer processes; ``None`` uses every available core, 0 or 1 tokenizes in-process.
         shard_tokens: tokens per shard file.
         overwrite: replace an existing non-empty ``output_dir`` instead of refusing.
+        train_tokenizer: ``"bpe"``: instead of ``tokenizer``, train a byte-level BPE of ``vocab_size``
+            tokens on the inputs first (``data/bpe.py``), saved as ``tokenizer.json`` in ``output_dir``.
+        vocab_size: the trained tokenizer's vocabulary (at least 258: the bytes, <|endoftext|>, <|pad|>).
 
     Example (a folder of 20 small files; the progress bar's width and time vary, hence the ``...``):
 
@@ -128,8 +144,12 @@ def prepare(
         >>> TextDataModule(str(prepared.output_dir), seq_len=16).vocab_size
         258
     """
+    if output_dir is None:
+        raise UserInputError("output_dir is missing; pass --output_dir, the dataset folder to create")
     if isinstance(inputs, (str, Path)):
         inputs = [inputs]
+    if inputs is None:
+        inputs = [str(path) for path in stdlib_sources()]
     if not inputs:
         raise UserInputError("inputs is empty; pass at least one text file, folder or JSONL file")
     if not 0.0 <= val_fraction < 1.0:
@@ -144,6 +164,7 @@ def prepare(
         )
     if num_workers < 0:
         raise UserInputError(f"num_workers={num_workers} is negative; use 0 to tokenize in this process")
+    check_tokenizer_choice(tokenizer, train_tokenizer, vocab_size)
     started = time.perf_counter()
     out = Path(output_dir).expanduser().resolve()
     if out.exists() and not overwrite and (not out.is_dir() or any(out.iterdir())):
@@ -151,7 +172,7 @@ def prepare(
             f"output_dir {str(out)!r} already exists and is not empty; "
             "pass overwrite=True (--overwrite true) to replace it"
         )
-    tok = load_tokenizer(tokenizer)
+    tok = None if train_tokenizer else load_tokenizer(tokenizer)
     files = collect_files(inputs)
     if not files:
         raise UserInputError(
@@ -163,7 +184,11 @@ def prepare(
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     tmp.chmod(0o755)  # mkdtemp makes it private; the dataset should be as readable as a normal folder
     try:
-        meta = _write_shards(tmp, tok, files, val_fraction, jsonl_field, num_workers, shard_tokens)
+        spec = tok.name if tok else TOKENIZER_FILE  # the trained one relative to the folder, which may move
+        if train_tokenizer:
+            pieces = _with_bar(iter_pieces(files, jsonl_field), files, f"training {train_tokenizer}")
+            tok = load_tokenizer(str(train_bpe((piece.text for piece in pieces), vocab_size, tmp / spec)))
+        meta = _write_shards(tmp, tok, spec, files, val_fraction, jsonl_field, num_workers, shard_tokens)
         if meta["total_tokens"] == 0:
             raise UserInputError(
                 f"inputs {[str(i) for i in inputs]} contain no text (0 tokens); pass non-empty files"
@@ -176,15 +201,25 @@ def prepare(
                     for split in SPLITS}
     return PreparedDataset(
         output_dir=out, input_files=len(files), input_bytes=sum(f.stat().st_size for f in files),
-        tokenizer=tok.name, vocab_size=tok.vocab_size, train_tokens=split_tokens["train"],
+        tokenizer=tokenizer_spec(out, meta), vocab_size=tok.vocab_size, train_tokens=split_tokens["train"],
         val_tokens=split_tokens["val"], shard_files=tuple(s["file"] for s in meta["shards"]),
-        seconds=time.perf_counter() - started,
+        seconds=time.perf_counter() - started, trained_tokenizer=train_tokenizer,
     )
+
+
+def tokenizer_spec(data_dir: str | Path, meta: dict[str, Any]) -> str:
+    """What ``load_tokenizer`` takes for a dataset's tokenizer: ``meta.json`` names a tokenizer.json
+    that ``prepare`` trained relative to the dataset folder, so the folder can move."""
+    spec = meta["tokenizer"]
+    if spec == "byte" or Path(spec).is_absolute():
+        return spec
+    return str((Path(data_dir).expanduser() / spec).resolve())
 
 
 def _write_shards(
     folder: Path,
     tok: Tokenizer,
+    spec: str,
     files: list[Path],
     val_fraction: float,
     jsonl_field: str,
@@ -217,7 +252,7 @@ def _write_shards(
         progress.update(task, completed=total_bytes, tokens=written)  # + skipped blank lines, last eos
     return {
         "format_version": FORMAT_VERSION,
-        "tokenizer": tok.name,
+        "tokenizer": spec,
         "vocab_size": tok.vocab_size,
         "eos_id": tok.eos_id,
         "pad_id": tok.pad_id,
@@ -226,6 +261,15 @@ def _write_shards(
         "total_tokens": written,
         "shards": shards,
     }
+
+
+def _with_bar(pieces: Iterable[Piece], files: list[Path], label: str) -> Iterator[Piece]:
+    """``pieces``, advancing a bar of the input bytes read."""
+    with Progress(TextColumn(f"[bold]{label}"), BarColumn(), DownloadColumn(), TimeRemainingColumn()) as bar:
+        task = bar.add_task("", total=sum(f.stat().st_size for f in files))
+        for piece in pieces:
+            yield piece
+            bar.update(task, advance=piece.nbytes)
 
 
 class _ShardWriter:

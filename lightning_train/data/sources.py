@@ -2,13 +2,16 @@
 
 A plain text file is one document, read in pieces of about ``PIECE_BYTES`` cut at line ends; each line of
 a ``.jsonl`` file is one document (one piece). Folders contribute their text-like files, recursively and
-sorted, so the stream (and the dataset built from it) is the same on every machine.
+sorted, so the stream (and the dataset built from it) is the same on every machine. ``stdlib_sources``
+lists the default corpus's files: what ``prepare`` reads when given no inputs.
 """
 
 from __future__ import annotations
 
 import codecs
 import json
+import os
+import sysconfig
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import NamedTuple
@@ -17,6 +20,19 @@ from lightning_train.errors import UserInputError
 
 PIECE_BYTES = 1 << 14  # big enough to amortize tokenizer calls, small enough for a fine train/val split
 SNIFF_BYTES = 8192
+# The default corpus: the standard library's own sources, up to this many bytes.
+MAX_BYTES = 8_000_000
+# Test suites, generated tables and third-party code would not teach much about ordinary Python code.
+SKIP_DIRS = {
+    "site-packages",
+    "dist-packages",
+    "__pycache__",
+    "test",
+    "tests",
+    "idle_test",
+    "encodings",
+    "pydoc_data",
+}
 
 
 class Piece(NamedTuple):
@@ -110,3 +126,20 @@ def _jsonl_documents(path: Path, field: str) -> Iterator[tuple[str, bool, int]]:
                 )
             if text:
                 yield text, True, len(line)
+
+
+def stdlib_sources(max_bytes: int = MAX_BYTES) -> list[Path]:
+    """The standard library's ``.py`` files in sorted order, up to ``max_bytes`` in total."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = []
+    for folder, dirs, names in os.walk(root):
+        dirs[:] = [d for d in dirs if d not in SKIP_DIRS and not d.startswith(".")]
+        files.extend(Path(folder, name) for name in names if name.endswith(".py"))
+    selected, total = [], 0
+    for path in sorted(files, key=lambda p: p.relative_to(root).parts):
+        size = path.stat().st_size
+        if total + size > max_bytes:
+            break
+        selected.append(path)
+        total += size
+    return selected

@@ -18,7 +18,8 @@ import tempfile
 import zlib
 from pathlib import Path
 
-from lightning_train.data.default_corpus import cache_dir, stdlib_sources
+from lightning_train.data.default_corpus import cache_dir
+from lightning_train.data.sources import stdlib_sources
 
 TASK_VERSION = 2
 PROMPT = "{} in CamelCase: "

@@ -22,7 +22,7 @@ from torch.utils.data import Dataset
 from lightning_train.data.default_corpus import default_corpus_dir
 from lightning_train.data.loading import ResumableDataModule, check_at_least
 from lightning_train.data.mixture import LabeledSources, MixtureWindows
-from lightning_train.data.shards import read_meta
+from lightning_train.data.shards import read_meta, tokenizer_spec
 from lightning_train.data.tokenizers import Tokenizer, load_tokenizer
 from lightning_train.errors import UserInputError
 
@@ -168,7 +168,7 @@ class TextDataModule(ResumableDataModule):
 
     @property
     def tokenizer(self) -> Tokenizer:
-        return load_tokenizer(self.meta["tokenizer"])
+        return load_tokenizer(tokenizer_spec(self._resolve_dir(), self.meta))  # a trained one: the folder's
 
     # Lightning hooks
     def prepare_data(self) -> None:

@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+VOCAB_MULTIPLE = 64  # a vocabulary taken from the data is padded to this: faster matmuls (nanoGPT, LitGPT)
+
 
 @dataclass
 class GPTConfig:
@@ -37,7 +39,7 @@ class GPTConfig:
         (256, True)
     """
 
-    vocab_size: int | None = None  # None: the data's (PretrainModule/FinetuneModule fill it in)
+    vocab_size: int | None = None  # None: the data's, padded (PretrainModule/FinetuneModule fill it in)
     block_size: int = 256  # longest context the model accepts
     n_layer: int = 4
     n_head: int = 4
@@ -70,6 +72,17 @@ class GPTConfig:
     @property
     def head_dim(self) -> int:
         return self.n_embd // self.n_head
+
+
+def padded_vocab_size(vocab_size: int) -> int:
+    """``vocab_size`` rounded up to a multiple of ``VOCAB_MULTIPLE``: the rows past the tokenizer's are
+    never inputs nor targets, and ``GPT.generate`` never samples them.
+
+        >>> from lightning_train.models.gpt import padded_vocab_size
+        >>> padded_vocab_size(258), padded_vocab_size(512), padded_vocab_size(50257)
+        (320, 512, 50304)
+    """
+    return -(-vocab_size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
 
 
 def _norm(config: GPTConfig) -> nn.Module:
@@ -330,16 +343,18 @@ class GPT(nn.Module):
         top_k: int | None = None,
         eos_id: int | None = None,
         use_cache: bool = True,
+        tokenizer_vocab_size: int | None = None,
     ) -> torch.Tensor:
         """Continue ``idx`` (B, T) by up to ``max_new_tokens``. temperature 0 is greedy; with
-        ``eos_id``, a row that produced it is padded with eos_id and generation ends when all did."""
+        ``eos_id``, a row that produced it is padded with eos_id and generation ends when all did.
+        With ``tokenizer_vocab_size``, only ids below it are generated (not a padded vocabulary's rest)."""
         cache = KVCache(self.config.n_layer) if use_cache else None
         finished = torch.zeros(idx.shape[0], dtype=torch.bool, device=idx.device)
         step_input = idx
         for _ in range(max_new_tokens):
             if idx.shape[1] >= self.config.block_size:
                 break
-            logits = self(step_input if use_cache else idx, cache)[:, -1, :].float()
+            logits = self(step_input if use_cache else idx, cache)[:, -1, :tokenizer_vocab_size].float()
             if temperature == 0:
                 next_id = logits.argmax(dim=-1, keepdim=True)
             else:

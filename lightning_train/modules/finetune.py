@@ -265,8 +265,10 @@ def generate_batched(
     batch_size: int = 32,
     device: torch.device | str = "cpu",
     use_cache: bool = True,
+    tokenizer_vocab_size: int | None = None,
 ) -> list[list[int]]:
-    """Continuations of token-id ``prompts`` (in their order), cut before the first ``eos_id``.
+    """Continuations of token-id ``prompts`` (in their order), cut before the first ``eos_id``; with
+    ``tokenizer_vocab_size``, of ids below it only (a padded vocabulary's rows past it are never drawn).
 
     Our GPT has no padding mask, so prompts are batched with others of the same length."""
     by_length: dict[int, list[int]] = defaultdict(list)
@@ -280,7 +282,8 @@ def generate_batched(
             chunk = indices[start : start + batch_size]
             idx = torch.tensor([prompts[i] for i in chunk], dtype=torch.long, device=device)
             out = model.generate(
-                idx, max_new_tokens, temperature=temperature, top_k=top_k, eos_id=eos_id, use_cache=use_cache
+                idx, max_new_tokens, temperature=temperature, top_k=top_k, eos_id=eos_id, use_cache=use_cache,
+                tokenizer_vocab_size=tokenizer_vocab_size,
             )
             for i, row in zip(chunk, out[:, length:].tolist(), strict=True):
                 completions[i] = row[: row.index(eos_id)] if eos_id in row else row

@@ -3,7 +3,8 @@
 Override ``build_model`` (another architecture), ``compute_loss`` (another objective) or
 ``configure_param_groups`` (other weight-decay / LR rules); everything else stays as is.
 The config's ``vocab_size`` may be left None: the model then gets the data's vocabulary (a data module's
-``vocab_size``, or its tokenizer's) when ``fit``/``validate`` sets it up.
+``vocab_size``, or its tokenizer's) padded up to a multiple of 64 for speed, when ``fit``/``validate`` sets
+it up; a ``vocab_size`` smaller than the data's is refused.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from lightning_train._compat import attached_trainer
 from lightning_train.callbacks._common import is_logging_step
 from lightning_train.errors import UserInputError
 from lightning_train.models.float8 import check_float8_device, convert_to_float8
-from lightning_train.models.gpt import GPT, GPTConfig
+from lightning_train.models.gpt import GPT, GPTConfig, padded_vocab_size
 
 
 def warmup_cosine(step: int, warmup_steps: int, decay_steps: int, min_lr_ratio: float) -> float:
@@ -41,7 +42,8 @@ class PretrainModule(L.LightningModule):
     label -100 is ignored.
 
     Args:
-        config: the model's shape (see ``GPTConfig``); ``vocab_size`` None takes the data's.
+        config: the model's shape (see ``GPTConfig``); ``vocab_size`` None takes the data's, padded up to a
+            multiple of 64 (258 byte tokens: 320).
         learning_rate: peak LR after warmup.
         min_lr: LR at the end of the cosine decay.
         warmup_steps: optimizer steps of linear warmup.
@@ -53,7 +55,8 @@ class PretrainModule(L.LightningModule):
         float8: run the Linear layers' matmuls in float8 (torchao; a CUDA GPU with compute capability
             >= 8.9, e.g. H100). Applied before ``compile``; see ``lightning_train.models.float8``.
 
-    Example (a few steps on the default corpus; the vocabulary, 258 byte tokens, comes from the data):
+    Example (a few steps on the default corpus; the vocabulary, 258 byte tokens padded to 320, comes from
+    the data):
 
         >>> import lightning as L
         >>> from lightning_train import GPTConfig, PretrainModule, TextDataModule
@@ -64,9 +67,9 @@ class PretrainModule(L.LightningModule):
         ... )
         >>> trainer.fit(module, TextDataModule(seq_len=16, batch_size=4))
         >>> trainer.global_step, module.config.vocab_size
-        (3, 258)
+        (3, 320)
         >>> val = trainer.validate(module, TextDataModule(seq_len=16, batch_size=4), verbose=False)[0]
-        >>> 0 < val["val/loss"] < 6  # ln(258) = 5.55 before any training
+        >>> 0 < val["val/loss"] < 6  # ln(320) = 5.77 before any training
         True
     """
 
@@ -162,17 +165,25 @@ class PretrainModule(L.LightningModule):
         self.configure_model()  # so the model exists outside a Trainer too, e.g. in tests
 
     def _fit_config_to(self, datamodule: Any) -> None:
-        """Take the data's vocabulary size where the config has none; refuse data the model cannot read."""
+        """Take the data's vocabulary size (padded) where the config has none; refuse data the model cannot
+        read."""
         max_id, seq_len = getattr(datamodule, "max_token_id", None), getattr(datamodule, "seq_len", None)
-        if self.config.vocab_size is None:
-            vocab_size = _data_vocab_size(datamodule)
-            if vocab_size is not None:
-                self.config = dataclasses.replace(self.config, vocab_size=vocab_size)
-                # Checkpoints record the vocabulary the model has, in the form given (the CLI's is a dict).
-                given = self.hparams.get("config")
-                resolved = {**given, "vocab_size": vocab_size} if isinstance(given, dict) else self.config
-                self.hparams["config"] = resolved
+        data_vocab_size = _data_vocab_size(datamodule)
+        if self.config.vocab_size is None and data_vocab_size is not None:
+            vocab_size = padded_vocab_size(data_vocab_size)
+            self.config = dataclasses.replace(self.config, vocab_size=vocab_size)
+            # Checkpoints record the vocabulary the model has, in the form given (the CLI's is a dict).
+            given = self.hparams.get("config")
+            resolved = {**given, "vocab_size": vocab_size} if isinstance(given, dict) else self.config
+            self.hparams["config"] = resolved
         vocab_size = self.config.vocab_size
+        if vocab_size is not None and data_vocab_size is not None and vocab_size < data_vocab_size:
+            padded = padded_vocab_size(data_vocab_size)
+            raise UserInputError(
+                f"model.config.vocab_size={vocab_size} is smaller than the data's tokenizer vocabulary "
+                f"({data_vocab_size} tokens); set model.config.vocab_size to at least {data_vocab_size}, "
+                f"or to null to take the data's (padded to {padded})"
+            )
         if max_id is not None and vocab_size is not None and max_id >= vocab_size:
             raise UserInputError(
                 f"the data holds token id {max_id} but the model's vocab_size is {vocab_size}; "
