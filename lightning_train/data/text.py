@@ -12,6 +12,7 @@ The loaders, their world-size-independent data position (resume at any device co
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 from typing import Any
 
@@ -250,11 +251,20 @@ def _check_mixture(mixture: dict[str, float] | None, data_dir: str | None) -> di
 
 def _check_same_tokens(metas: dict[str, dict[str, Any]]) -> None:
     """Every source must be tokenized alike: the model reads one vocabulary."""
+
+    def tokenizer_of(folder: str, meta: dict[str, Any]) -> str:
+        spec = tokenizer_spec(folder, meta)  # a tokenizer.json is compared by content, wherever it lies
+        return spec if spec == "byte" else hashlib.sha256(Path(spec).read_bytes()).hexdigest()
+
     (first, reference), *others = metas.items()
     for folder, meta in others:
-        for key in ("tokenizer", "vocab_size"):
-            if meta.get(key) != reference.get(key):
+        for key, ours, theirs in (
+            ("tokenizer", tokenizer_of(first, reference), tokenizer_of(folder, meta)),
+            ("vocab_size", reference.get("vocab_size"), meta.get("vocab_size")),
+        ):
+            if ours != theirs:
+                shown = (reference.get(key), meta.get(key))
                 raise UserInputError(
-                    f"mixture sources {first} and {folder} differ in {key} ({reference.get(key)!r} vs "
-                    f"{meta.get(key)!r}); prepare them with the same tokenizer"
+                    f"mixture sources {first} and {folder} differ in {key} ({shown[0]!r} vs {shown[1]!r}); "
+                    "prepare them with the same tokenizer"
                 )
