@@ -20,31 +20,7 @@ import yaml
 
 from lightning_train.callbacks.preemption import INTERRUPTED_EXIT_CODE, PREEMPTED_EXIT_CODE
 from lightning_train.checkpoint import find_resume_checkpoint
-from tests.helpers.ft_runs import fault, final_state, fit, write_config
-
-
-def batches(folder: Path, rank: int = 0) -> dict[int, str]:
-    """Step -> fingerprint of the batch trained on; a re-run step must have seen the same batch."""
-    seen: dict[int, str] = {}
-    for line in (folder / "log" / f"batches-rank{rank}.txt").read_text().splitlines():
-        step, digest = line.split()
-        assert seen.setdefault(int(step), digest) == digest, f"step {step} saw another batch after resume"
-    return seen
-
-
-def assert_same(actual: Any, expected: Any, where: str = "") -> None:
-    if isinstance(expected, torch.Tensor):
-        assert torch.equal(actual, expected), f"{where} differs"
-    elif isinstance(expected, dict):
-        assert actual.keys() == expected.keys(), where
-        for key in expected:
-            assert_same(actual[key], expected[key], f"{where}.{key}")
-    elif isinstance(expected, (list, tuple)):
-        assert len(actual) == len(expected), where
-        for index, (a, e) in enumerate(zip(actual, expected, strict=True)):
-            assert_same(a, e, f"{where}[{index}]")
-    else:
-        assert actual == expected, f"{where}: {actual!r} != {expected!r}"
+from tests.helpers.ft_runs import assert_same, batches, fault, final_state, fit, write_config
 
 
 def run_until_done(config: Path, expected_codes: list[int]) -> list[subprocess.CompletedProcess]:

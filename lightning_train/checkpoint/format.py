@@ -45,6 +45,9 @@ MANIFEST_SUFFIX = ".manifest.json"
 FOLDER_MANIFEST = "manifest.json"
 PARTIAL_SUFFIX = ".partial"
 DCP_METADATA = ".metadata"  # torch.distributed.checkpoint's index of a sharded save
+# The launcher job that wrote a checkpoint, recorded in its manifest as {key: value} of those set: a
+# restarted torchrun group or requeued SLURM job resumes implicitly only from its own (cli/elastic.py).
+LAUNCH_IDS = {"torchelastic_run_id": "TORCHELASTIC_RUN_ID", "slurm_job_id": "SLURM_JOB_ID"}
 _CHUNK = 1 << 22
 
 
@@ -79,11 +82,17 @@ def build_manifest(checkpoint: Path, global_step: int | None, epoch: int | None,
         "global_step": global_step,
         "epoch": epoch,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "launch": launch_ids(),
         "files": {
             name: {"size": path.stat().st_size, "sha256": digests.get(name) or sha256_file(path)}
             for path, name in names.items()
         },
     }
+
+
+def launch_ids() -> dict[str, str]:
+    """This process's launcher job ids (torchrun's run id, SLURM's job id), those that are set."""
+    return {key: os.environ[name] for key, name in LAUNCH_IDS.items() if os.environ.get(name)}
 
 
 def read_manifest(checkpoint: str | Path) -> dict[str, Any] | None:

@@ -61,7 +61,7 @@ def resolve_resume(resume: str | None, checkpoint_dir: str | Path) -> str | None
     if resume.lower() == "auto":
         found = find_resume_checkpoint(checkpoint_dir)
         if found is None:
-            if not _candidates_newest_first(Path(checkpoint_dir)):  # else the caller refuses to overwrite
+            if not checkpoints_newest_first(Path(checkpoint_dir)):  # else the caller refuses to overwrite
                 rank_zero_info(f"--resume auto: no checkpoint in {checkpoint_dir}, starting fresh")
             return None
         rank_zero_info(f"--resume auto: resuming from {found}")
@@ -88,7 +88,7 @@ def find_resume_checkpoint(folder: str | Path) -> Path | None:
     Corrupt or unfinished checkpoints are skipped with a warning; a checkpoint written by a newer,
     incompatible format stops the search with an error (resuming from an older one would silently
     throw that progress away)."""
-    for candidate in _candidates_newest_first(Path(folder)):
+    for candidate in checkpoints_newest_first(Path(folder)):
         try:
             verify_checkpoint(candidate)
         except CorruptCheckpointError as error:
@@ -98,7 +98,8 @@ def find_resume_checkpoint(folder: str | Path) -> Path | None:
     return None
 
 
-def _candidates_newest_first(folder: Path) -> list[Path]:
+def checkpoints_newest_first(folder: Path) -> list[Path]:
+    """The checkpoint files and folders in ``folder``, unverified, newest (highest step) first."""
     if not folder.is_dir():
         return []
     seen: dict[Path, Path] = {}

@@ -20,7 +20,11 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint, ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.plugins import CheckpointIO, Precision
-from lightning.pytorch.plugins.environments import ClusterEnvironment, SLURMEnvironment
+from lightning.pytorch.plugins.environments import (
+    ClusterEnvironment,
+    SLURMEnvironment,
+    TorchElasticEnvironment,
+)
 from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
@@ -44,6 +48,7 @@ from lightning_train.checkpoint import (
 from lightning_train.checkpoint.format import safe_globals
 from lightning_train.cli._parsers import PROG, TOOLS, LightningParser
 from lightning_train.cli.checks import check_trainer_arguments
+from lightning_train.cli.elastic import restart_resume, torchrun_layout
 from lightning_train.cli.run_folder import SaveConfigWhenRunning, check_fit, remove_empty_launch, run_folder
 from lightning_train.errors import UserInputError
 from lightning_train.plugins.precision import amp_for_precision_flag
@@ -125,7 +130,8 @@ class LightningTrainCLI(LightningCLI):
         trainer_config = cli_config_value(self, self.config_init, "trainer", default={})
         check_trainer_arguments(trainer_config)
         async_checkpoint = cli_config_value(self, self.config_init, "async_checkpoint", default=False)
-        defaults = _run_defaults(trainer_config, self.subcommand, self.command, async_checkpoint)
+        defaults = {**_run_defaults(trainer_config, self.subcommand, self.command, async_checkpoint),
+                    **torchrun_layout(trainer_config)}
         try:
             return super().instantiate_trainer(**{**defaults, **kwargs})
         except (MisconfigurationException, ValueError) as error:  # Lightning's checks of its arguments
@@ -203,9 +209,12 @@ class LightningTrainCLI(LightningCLI):
     def _resolve_checkpoint(self) -> None:
         """``--resume`` becomes ``ckpt_path``: for fit as docs/fault-tolerance.md says; for the other
         subcommands ``auto`` must find a checkpoint (evaluating untrained weights is never the intent).
-        A ``--ckpt_path`` that does not exist is refused here, before the run writes anything."""
+        A ``--ckpt_path`` that does not exist is refused here, before the run writes anything. A
+        restarted fit that names no checkpoint resumes as with ``auto`` (``elastic.py``)."""
         config = self.config_init[self.subcommand]
         resume, ckpt_path = config.get("resume"), config.get("ckpt_path")
+        if self.subcommand == "fit":
+            resume = config["resume"] = restart_resume(resume, ckpt_path, self._checkpoint_dir())
         if resume is None:
             _check_checkpoint_path(ckpt_path)
             return
@@ -303,7 +312,8 @@ def _run_defaults(
       optimizer step (``StepAxisKeeper``), checkpoint-and-exit (code 75)
       on SIGTERM/SIGUSR1 (code 130 on Ctrl-C), atomic sha256-verified checkpoint files (written in the
       background with ``--async_checkpoint true``); on SLURM,
-      Lightning's own auto-requeue is off so that it does not act on the same signals.
+      Lightning's own auto-requeue is off so that it does not act on the same signals (under torchrun
+      inside SLURM, torchrun's ranks are the ones that count: Lightning's TorchElasticEnvironment).
     """
     root = Path(trainer["default_root_dir"])  # set by before_instantiate_classes
     callbacks, plugins = _as_list(trainer.get("callbacks")), _as_list(trainer.get("plugins"))
@@ -338,7 +348,8 @@ def _run_defaults(
             f"--async_checkpoint true needs AtomicCheckpointIO, but the config's trainer.plugins has "
             f"{type(checkpoint_io).__name__}; drop --async_checkpoint, or give that plugin async_save: true"
         )
-    if SLURMEnvironment.detect() and not any(isinstance(p, ClusterEnvironment) for p in plugins):
+    on_slurm = SLURMEnvironment.detect() and not TorchElasticEnvironment.detect()
+    if on_slurm and not any(isinstance(p, ClusterEnvironment) for p in plugins):
         plugins.append(SLURMEnvironment(auto_requeue=False))
     defaults["plugins"] = plugins
     return defaults

@@ -1,6 +1,7 @@
 """The tiny deterministic CLI run of the fault-tolerance and run-lifecycle tests (12 steps, checkpoints
 every 3, validation every 4, dropout on, shuffled TextDataModule over conftest's ``data_dir``), launched
-as a real process, with faults injected by ``ft_callbacks``."""
+as a real process, with faults injected by ``ft_callbacks``, and the checks of an interrupted run
+against an uninterrupted one (``final_state``, ``assert_same``, ``batches``)."""
 
 from __future__ import annotations
 
@@ -96,3 +97,27 @@ def sharded_two_rank_checkpoint(folder: Path, model: dict[str, int], max_steps: 
     checkpoint = folder / "runs/pretrain-tiny/checkpoints/last.ckpt"
     assert checkpoint.is_dir() and (checkpoint / ".metadata").is_file()
     return checkpoint
+
+
+def batches(folder: Path, rank: int = 0) -> dict[int, str]:
+    """Step -> fingerprint of the batch trained on; a re-run step must have seen the same batch."""
+    seen: dict[int, str] = {}
+    for line in (folder / "log" / f"batches-rank{rank}.txt").read_text().splitlines():
+        step, digest = line.split()
+        assert seen.setdefault(int(step), digest) == digest, f"step {step} saw another batch after resume"
+    return seen
+
+
+def assert_same(actual: Any, expected: Any, where: str = "") -> None:
+    if isinstance(expected, torch.Tensor):
+        assert torch.equal(actual, expected), f"{where} differs"
+    elif isinstance(expected, dict):
+        assert actual.keys() == expected.keys(), where
+        for key in expected:
+            assert_same(actual[key], expected[key], f"{where}.{key}")
+    elif isinstance(expected, (list, tuple)):
+        assert len(actual) == len(expected), where
+        for index, (a, e) in enumerate(zip(actual, expected, strict=True)):
+            assert_same(a, e, f"{where}[{index}]")
+    else:
+        assert actual == expected, f"{where}: {actual!r} != {expected!r}"
