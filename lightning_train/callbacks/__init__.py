@@ -1,5 +1,6 @@
 """Training-health callbacks; each works in any Lightning Trainer."""
 
+from lightning_train.callbacks.goodput import Goodput
 from lightning_train.callbacks.grad_norm import GradNormMonitor
 from lightning_train.callbacks.hang_watchdog import HangWatchdog
 from lightning_train.callbacks.loss_scale import LossScaleMonitor
@@ -15,6 +16,7 @@ from lightning_train.callbacks.time_to_quality import TimeToQuality
 from lightning_train.errors import TrainingAborted  # its home is errors.py; docs/recovery.md imports it here
 
 __all__ = [
+    "Goodput",
     "GradNormMonitor",
     "HangWatchdog",
     "LossScaleMonitor",
