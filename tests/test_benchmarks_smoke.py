@@ -87,3 +87,11 @@ def test_watchdog_overhead_smoke(tmp_path: Path) -> None:
     for clock in ("cpu", "wall"):
         check_comparison(payload["results"][clock], pairs=1)
     assert payload["hooks_cpu_us_per_step"] > 0 and 0 < payload["hooks_share_of_step"] < 0.05
+
+
+def test_goodput_overhead_smoke(tmp_path: Path) -> None:
+    payload = run_smoke("goodput_overhead.py", tmp_path / "goodput_overhead.json")
+    assert payload["benchmark"] == "goodput_overhead" and payload["smoke"] is True
+    for clock in ("cpu", "wall"):
+        check_comparison(payload["results"][clock], pairs=1)
+    assert payload["hooks_cpu_us_per_step"]["median"] > 0
