@@ -94,3 +94,11 @@ def test_async_checkpoint_smoke(tmp_path: Path) -> None:
     [result] = payload["results"].values()  # --smoke: the tiny model only
     check_comparison(result["blocked"], pairs=1)
     assert result["state_bytes"] > 0 and result["step_time"]["steps_during"] >= 1
+
+
+def test_goodput_overhead_smoke(tmp_path: Path) -> None:
+    payload = run_smoke("goodput_overhead.py", tmp_path / "goodput_overhead.json")
+    assert payload["benchmark"] == "goodput_overhead" and payload["smoke"] is True
+    for clock in ("cpu", "wall"):
+        check_comparison(payload["results"][clock], pairs=1)
+    assert payload["hooks_cpu_us_per_step"]["median"] > 0

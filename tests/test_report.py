@@ -205,7 +205,8 @@ def test_report_plots_amp_recovery_alerts_and_skips_the_rest(tmp_path, capsys):
                                                       "alerts": 1}
     assert "note" not in result["plots"]["recovery"]
     assert {"lr", "accuracy", "grad_norm", "grad_norm_groups", "throughput"}.isdisjoint(result["plots"])
-    assert len(result["notes"]) == 5 and any("perf/" in note for note in result["notes"])
+    assert len(result["notes"]) == 6 and any("perf/" in note for note in result["notes"])
+    assert any("no goodput.json" in note for note in result["notes"])  # a run without Goodput
     page = (run_dir / "report" / "report.html").read_text()
     assert "Rollback" in page and "restored step 2" in page and "on the abandoned branch" not in page
 

@@ -9,18 +9,18 @@ the page, never drawn as training curves, and never enter the summary. Where a l
 earlier step, its points replace its ancestors' from that step on.
 
 Plots: loss, learning rate, fine-tuning accuracy (exact match, token accuracy), gradient norms (total,
-and a steps x groups heatmap), loss scale with overflow marks, recovery events with alerts, and
-throughput. A namespace the run did not log is skipped with a note on the page. ``report.json`` lists
-every launch, the run's launches, and every plot with the number of points of each series it drew.
+and a steps x groups heatmap), loss scale with overflow marks, recovery events with alerts, throughput,
+and goodput (where each launch's wall time went, from ``goodput.json``). A namespace the run did not
+log is skipped with a note on the page. ``report.json`` lists every launch, the run's launches, and
+every plot with the number of points of each series it drew.
 """
 
 from __future__ import annotations
 
-import base64
-import html
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -29,12 +29,15 @@ from matplotlib.colors import LogNorm
 from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
+from lightning_train.loggers.goodput import read_goodput
 from lightning_train.loggers.launches import Launch, merge_chain, read_launches, select_run
+from lightning_train.loggers.report_html import LEVEL_COLORS, render_html
 
 Series = dict[str, tuple[np.ndarray, np.ndarray]]  # metric -> (steps, values), sorted by step
 STEP_LABEL = "optimizer step"
-LEVEL_COLORS = {"INFO": "tab:blue", "WARN": "tab:orange", "ERROR": "tab:red"}
 ACCURACY_METRICS = ("val/exact_match", "val/token_accuracy", "val/token_acc", "train/token_accuracy")
+GOODPUT_COLORS = {"productive": "tab:green", "startup": "tab:blue", "checkpoint": "tab:orange",
+                  "validation": "tab:purple", "recovery": "tab:red", "lost": "black", "other": "tab:gray"}
 
 
 @dataclass
@@ -46,6 +49,7 @@ class RunHistory:
     alerts: list[dict[str, Any]]
     chain: list[Launch]  # the run's launches, oldest first
     launches: list[Launch]  # every launch in the folder
+    goodput: dict[str, Any] | None  # the newest launch's goodput.json: the run's and each launch's time
 
 
 @dataclass
@@ -62,7 +66,7 @@ def load_run(run_dir: str | Path, launch: str | None = None) -> RunHistory:
     chain = select_run(launches, launch)
     points, resumed_at, alerts = merge_chain(chain)
     series = {name: _arrays(by_step) for name, by_step in points.items()}
-    return RunHistory(series, resumed_at, alerts, chain, launches)
+    return RunHistory(series, resumed_at, alerts, chain, launches, read_goodput(chain[-1].folder))
 
 
 def report(run_dir: str, output_dir: str | None = None, launch: str | None = None) -> dict[str, Any]:
@@ -107,9 +111,12 @@ def report(run_dir: str, output_dir: str | None = None, launch: str | None = Non
         "resumed_at": run.resumed_at, "launches": [_describe(item, run) for item in run.launches],
         "plots": {}, "notes": [], "alerts": len(run.alerts),
     }
-    for name, title, plot in PLOTS:
+    plots = [(name, title, partial(plot, s=run.series, resumed_at=run.resumed_at, alerts=run.alerts))
+             for name, title, plot in PLOTS]
+    plots.append(("goodput", "Goodput: where the wall time went", partial(_plot_goodput, record=run.goodput)))
+    for name, title, plot in plots:
         figure = Figure(figsize=(9, 4.8), layout="constrained")
-        drawn = plot(figure, run.series, run.resumed_at, run.alerts)
+        drawn = plot(figure)
         if isinstance(drawn, str):  # nothing to draw: the note says why
             result["notes"].append(drawn)
             continue
@@ -118,7 +125,7 @@ def report(run_dir: str, output_dir: str | None = None, launch: str | None = Non
         entry = {"file": f"{name}.png", "title": title, "series": drawn.series}
         result["plots"][name] = {**entry, "note": drawn.note} if drawn.note else entry
     (out / "report.json").write_text(json.dumps(result, indent=2) + "\n")
-    (out / "report.html").write_text(_html(result, run, out))
+    (out / "report.html").write_text(render_html(result, _summary_facts(run), run.alerts, out))
     return result
 
 
@@ -272,6 +279,38 @@ def _plot_throughput(fig: Figure, s: Series, resumed_at: list[int], alerts: list
     return Drawn(drawn)
 
 
+def _plot_goodput(fig: Figure, record: dict[str, Any] | None) -> Drawn | str:
+    if record is None:
+        return ("Goodput: no goodput.json in the run's newest launch (add lightning_train.callbacks.Goodput; "
+                "the CLI adds it to every fit).")
+    rows = [*record["launches"], {**record, "name": "run (sum)", "state": ""}]
+    scale, unit = _time_unit(record["wall_sec"])
+    ax = fig.add_subplot()
+    left = np.zeros(len(rows))
+    for part, color in GOODPUT_COLORS.items():
+        widths = np.array([row["seconds"][part] for row in rows]) / scale
+        seconds = record["seconds"][part]
+        share = seconds / record["wall_sec"] if record["wall_sec"] > 0 else 0.0
+        ax.barh(range(len(rows)), widths, left=left, color=color, height=0.6,
+                label=f"{part}: {seconds / scale:,.3g} {unit} ({share:.0%})")
+        left += widths
+    for index, row in enumerate(rows):
+        productive = row["seconds"]["productive"] / row["wall_sec"] if row["wall_sec"] > 0 else 0.0
+        ax.annotate(f" {productive:.0%} productive", (left[index], index), va="center", fontsize=9)
+    labels = [f"{row['name']} ({row['state']})" if row["state"] else row["name"] for row in rows]
+    ax.set_yticks(range(len(rows)), labels)
+    ax.invert_yaxis()  # launches top down in order, the run's sum last
+    ax.set_xlim(0, left.max() * 1.2 if left.max() > 0 else 1)
+    ax.set_xlabel(f"wall time ({unit})")
+    ax.grid(True, axis="x", alpha=0.3)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=4, fontsize=9, frameon=False,
+              title="the run's parts (share of its wall time)", title_fontsize=9)
+    fraction, lost = record["productive_fraction"], record["steps"]["lost"]
+    note = (f"{fraction:.1%} of {record['wall_sec']:,.1f} s in productive steps over "
+            f"{len(record['launches'])} launch(es); {lost} steps recomputed after restarts")
+    return Drawn({part: len(rows) for part in GOODPUT_COLORS}, note=note)
+
+
 PLOTS: list[tuple[str, str, Callable[..., Drawn | str]]] = [
     ("loss", "Loss", _plot_loss),
     ("lr", "Learning rate", _plot_lr),
@@ -285,6 +324,11 @@ PLOTS: list[tuple[str, str, Callable[..., Drawn | str]]] = [
 
 
 # ---- helpers ---------------------------------------------------------------------------------------
+def _time_unit(seconds: float) -> tuple[float, str]:
+    """The divisor and name of the unit that shows ``seconds`` best."""
+    return (3600.0, "h") if seconds >= 3 * 3600 else (60.0, "min") if seconds >= 600 else (1.0, "s")
+
+
 def _arrays(by_step: dict[int, float]) -> tuple[np.ndarray, np.ndarray]:
     steps = sorted(by_step)
     return np.array(steps), np.array([by_step[k] for k in steps])
@@ -339,68 +383,6 @@ def _root(launch: Launch, launches: list[Launch]) -> str:
     return launch.name
 
 
-def _html(result: dict[str, Any], run: RunHistory, out: Path) -> str:
-    esc = html.escape
-    facts = _summary_facts(run)
-    rows = "".join(f"<tr><th>{esc(k)}</th><td>{esc(v)}</td></tr>" for k, v in facts.items())
-    launch_rows = "".join(_launch_row(facts) for facts in result["launches"])
-    figures = ""
-    for plot in result["plots"].values():
-        image = base64.b64encode((out / plot["file"]).read_bytes()).decode()
-        caption = plot.get("note") or ", ".join(f"{name} ({n} points)" for name, n in plot["series"].items())
-        figures += (f'<figure><img alt="{esc(plot["title"])}" src="data:image/png;base64,{image}">'
-                    f'<figcaption>{esc(plot["title"])}: {esc(caption)}</figcaption></figure>\n')
-    notes = "".join(f"<li>{esc(note)}</li>" for note in result["notes"])
-    alert_rows = "".join(
-        f'<tr><td>{a["step"]}</td><td style="color:{_css_color(a["level"])}">'
-        f'{esc(a["level"])}</td><td>{esc(a["title"])}</td><td>{esc(a["text"])}</td></tr>'
-        for a in run.alerts
-    )
-    return f"""<!doctype html>
-<html lang="en"><head><meta charset="utf-8"><title>Run report: {esc(result["run_dir"])}</title>
-<style>
-body {{ font-family: system-ui, sans-serif; max-width: 1000px; margin: 2em auto; color: #222; }}
-table {{ border-collapse: collapse; margin: 1em 0; }}
-th, td {{ padding: 4px 10px; border-bottom: 1px solid #ddd; text-align: left; }}
-figure {{ margin: 2em 0; }} img {{ max-width: 100%; }} figcaption {{ color: #555; }}
-.notes {{ background: #fff8e1; padding: 0.6em 2em; }} .other {{ color: #777; }}
-</style></head><body>
-<h1>Run report</h1><p><code>{esc(result["run_dir"])}</code></p>
-<section id="summary"><h2>Summary</h2><table>{rows}</table></section>
-<section id="launches"><h2>Launches in this folder</h2>
-<p>This report shows one run: {esc(" → ".join(result["run"]))}. Other launches are listed, not plotted.</p>
-<table><tr><th>launch</th><th>kind</th><th>steps</th><th>resumed from</th><th>role</th></tr>
-{launch_rows}</table></section>
-<section id="plots"><h2>Plots</h2>
-{figures}</section>
-{f'<section id="not-shown" class="notes"><h2>Not shown</h2><ul>{notes}</ul></section>' if notes else ""}
-<section id="alerts"><h2>Alerts</h2>
-{f"<table><tr><th>step</th><th>level</th><th>title</th><th>text</th></tr>{alert_rows}</table>"
- if run.alerts else "<p>No alerts.</p>"}
-</section>
-</body></html>
-"""
-
-
-def _launch_row(facts: dict[str, Any]) -> str:
-    esc = html.escape
-    steps = "–".join(str(step) for step in dict.fromkeys(facts.get("steps", []))) or "none"
-    role = facts["role"]
-    if role == "another run":
-        role += f" (report it with --launch {facts['name']})"
-    if "metrics" in facts:
-        role += ": " + ", ".join(f"{name} {value:.4f}" for name, value in facts["metrics"].items())
-    style = "" if facts["role"] == "this run" else ' class="other"'
-    origin = facts.get("resumed_from")  # a launch of this folder; else the checkpoint as typed
-    origin = facts.get("ckpt_path") if origin in (None, "elsewhere") else origin
-    return (f"<tr{style}><td>{esc(facts['name'])}</td><td>{esc(facts['kind'])}</td><td>{esc(steps)}</td>"
-            f"<td>{esc(str(origin or ''))}</td><td>{esc(role)}</td></tr>\n")
-
-
-def _css_color(level: str) -> str:
-    return LEVEL_COLORS.get(level, "gray").removeprefix("tab:")
-
-
 def _summary_facts(run: RunHistory) -> dict[str, str]:
     s = run.series
     facts = {"launches": " → ".join(launch.name for launch in run.chain),
@@ -416,5 +398,7 @@ def _summary_facts(run: RunHistory) -> dict[str, str]:
         facts["best val/exact_match"] = f"{values[best]:.1%} (step {steps[best]})"
     if "perf/tokens_per_sec" in s:
         facts["peak throughput"] = f"{np.nanmax(s['perf/tokens_per_sec'][1]):,.0f} tokens/s"
+    if run.goodput is not None:
+        facts["goodput"] = f"{run.goodput['productive_fraction']:.1%} of the wall time in productive steps"
     facts["alerts"] = str(len(run.alerts))
     return facts
