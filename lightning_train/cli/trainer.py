@@ -252,6 +252,9 @@ class LightningTrainCLI(LightningCLI):
         self._run(self.trainer.predict, model, **kwargs)
 
     def _run(self, trainer_fn: Callable[..., Any], model: LightningModule, **kwargs: Any) -> None:
+        check_model = getattr(self.trainer.strategy, "check_model", None)
+        if check_model is not None:  # a layout the model cannot take: one line, before any process starts
+            check_model(model)
         try:
             trainer_fn(model, **kwargs)
         except RuntimeError as error:  # a checkpoint of another model shape: one clear line, not a traceback

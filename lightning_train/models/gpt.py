@@ -171,7 +171,7 @@ class Attention(nn.Module):
     def forward(
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, cache: KVCache | None
     ) -> torch.Tensor:
-        B, T, C = x.shape
+        B, T, _ = x.shape
         q, k, v = self.qkv(x).split(
             [self.n_head * self.head_dim, self.n_kv_head * self.head_dim, self.n_kv_head * self.head_dim],
             dim=-1,
@@ -190,7 +190,7 @@ class Attention(nn.Module):
         y = F.scaled_dot_product_attention(
             q, k, v, is_causal=is_causal, dropout_p=dropout, enable_gqa=self.n_kv_head != self.n_head
         )
-        return self.proj(y.transpose(1, 2).reshape(B, T, C))
+        return self.proj(y.transpose(1, 2).reshape(B, T, -1))  # -1: the local heads under TP
 
 
 class MLP(nn.Module):

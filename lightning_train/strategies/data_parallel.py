@@ -29,6 +29,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy, Strategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_train._compat import (
@@ -103,7 +104,7 @@ class DataParallelStrategy(ModelParallelStrategy):
         >>> from lightning_train.strategies import DataParallelStrategy
         >>> from lightning_train.strategies.data_parallel import leave_process_group
         >>> sorted(name for name in StrategyRegistry if name.startswith("lt_"))
-        ['lt_auto', 'lt_ddp', 'lt_fsdp']
+        ['lt_auto', 'lt_ddp', 'lt_fsdp', 'lt_parallel']
         >>> strategy = DataParallelStrategy(sharding="auto")  # ddp when a replica fits in memory
         >>> trainer = L.Trainer(
         ...     max_steps=2, accelerator="cpu", devices=1, strategy=strategy, limit_val_batches=0,
@@ -170,9 +171,10 @@ class DataParallelStrategy(ModelParallelStrategy):
         Strategy.setup_environment(self)  # accelerator setup; skips ModelParallelStrategy's 2-D (dp, tp) mesh
         setup_distributed(self)
         atexit.register(leave_process_group)
-        set_device_mesh(
-            self, build_mesh(self.root_device.type, self.num_nodes, self.num_processes, self.replicate_size)
-        )
+        set_device_mesh(self, self._build_mesh())
+
+    def _build_mesh(self) -> DeviceMesh:
+        return build_mesh(self.root_device.type, self.num_nodes, self.num_processes, self.replicate_size)
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
@@ -192,12 +194,13 @@ class DataParallelStrategy(ModelParallelStrategy):
             self.sharding = self._choose_sharding(trainer, module)
         fitting = trainer.state.fn == TrainerFn.FITTING
         self.model = self.precision_plugin.convert_module(module)
+        self.apply_model_parallel(module)
         if self.activation_checkpointing and fitting:
             apply_activation_checkpointing(module)
-        if self.sharding == "fsdp":
+        if self.sharding == "fsdp" and self.fsdp_mesh is not None:
             apply_fsdp(
                 module,
-                self.device_mesh,
+                self.fsdp_mesh,
                 param_dtype=_LOW_PRECISION.get(self._precision_name),
                 reduce_dtype=self.reduce_dtype,
                 reshard_after_forward=self.reshard_after_forward,
@@ -214,6 +217,16 @@ class DataParallelStrategy(ModelParallelStrategy):
         self.setup_precision_plugin()
         if fitting and not self.cpu_offload:
             optimizers_to_device(self.optimizers, self.root_device)
+
+    def apply_model_parallel(self, module: pl.LightningModule) -> None:
+        """Split layers across devices before activation checkpointing and FSDP wrap them (none here)."""
+
+    @property
+    def fsdp_mesh(self) -> DeviceMesh | None:
+        """The mesh FSDP shards over: 2-D (replicate, shard) for HSDP, else the 1-D shard mesh (None:
+        nothing to shard over)."""
+        mesh = self.device_mesh
+        return mesh if mesh["replicate"].size() > 1 else mesh["shard"]
 
     @property
     def _precision_name(self) -> str:

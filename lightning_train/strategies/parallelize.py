@@ -86,7 +86,8 @@ def apply_fsdp(
     reshard_after_forward: bool,
     cpu_offload: bool,
 ) -> None:
-    """Shard each block, then the root (embeddings, final norm and head stay in the root's group).
+    """Shard each block, then the root (embeddings, final norm and head stay in the root's group), over
+    ``mesh``: 1-D (FSDP) or 2-D (replicate, shard: HSDP).
 
     ``param_dtype`` is the compute dtype of the all-gathered parameters (None: the stored dtype); the
     sharded fp32 parameters stay the optimizer's master weights. Gradients are reduce-scattered in
@@ -95,10 +96,9 @@ def apply_fsdp(
     """
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-    fsdp_mesh = mesh if mesh["replicate"].size() > 1 else mesh["shard"]
     offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
     options = dict(
-        mesh=fsdp_mesh,
+        mesh=mesh,
         mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
         offload_policy=offload,
     )

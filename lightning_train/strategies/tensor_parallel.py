@@ -1,0 +1,155 @@
+"""Tensor parallelism (Megatron-style, with sequence parallelism) applied to the GPT from outside.
+
+``apply_tensor_parallel(model, tp_mesh)`` shards every block over the ``tp`` mesh with
+``torch.distributed.tensor.parallel.parallelize_module`` (torchtitan style); ``gpt.py`` stays plain and
+its state-dict names do not change:
+
+- token embedding row-wise (the vocabulary split), its output sharded along the sequence;
+- norms and the residual stream between blocks sequence-parallel (each rank holds ``T / tp`` positions;
+  all-gathered before attention and the MLP, reduce-scattered after them);
+- attention split by heads: the fused ``qkv`` projection column-wise per head group (below), the
+  output projection row-wise; the MLP column-wise (gate, up) then row-wise (down);
+- the output head column-wise (vocabulary split), its logits all-gathered so the loss is the ordinary
+  ``cross_entropy`` of a single process (vocab-parallel loss is not used: Lightning runs backward
+  outside the ``loss_parallel`` context it would need).
+
+The fused ``qkv`` weight stacks all query heads, then all key heads, then all value heads, so a plain
+column split would hand rank 0 the queries and rank 1 the keys and values. Its parameter stays an
+ordinary ``Shard(0)`` DTensor of the canonical layout (checkpoints, the optimizer and the gradient norm
+see the same tensor as without TP); in forward each rank all-gathers it and takes the rows of its own
+heads, and backward reduce-scatters the gradient (one weight all-gather per block and step, as FSDP).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from lightning_train.errors import UserInputError
+
+
+def check_tensor_parallel(tensor_parallel: int, config: Any) -> None:
+    """Refuse a ``tensor_parallel`` size the model cannot be split by: it must divide the query heads and
+    the key/value heads (each rank computes whole heads), and positions must be rotary."""
+    if tensor_parallel == 1:
+        return
+    n_head, n_kv_head = getattr(config, "n_head", None), getattr(config, "n_kv_head", None)
+    if n_head is None or n_kv_head is None:
+        raise UserInputError(
+            f"tensor_parallel={tensor_parallel} needs a GPTConfig model (n_head, n_kv_head); "
+            f"got {type(config).__name__}"
+        )
+    if n_head % tensor_parallel or n_kv_head % tensor_parallel:
+        raise UserInputError(
+            f"tensor_parallel={tensor_parallel} does not divide the model's heads (n_head={n_head}, "
+            f"n_kv_head={n_kv_head}); use a common divisor of both"
+        )
+    if getattr(config, "position", "rope") != "rope":
+        raise UserInputError(
+            f"tensor_parallel={tensor_parallel} supports rotary positions only (position='rope'), "
+            f"not position={config.position!r}; use tensor_parallel=1 for learned positions"
+        )
+
+
+class HeadParallelQKV(ParallelStyle):
+    """The fused ``qkv`` Linear split by heads: the weight (and bias) an ordinary ``Shard(0)`` DTensor
+    of the canonical ``[q; k; v]`` layout; forward takes this rank's query, key and value heads."""
+
+    def __init__(self, n_head: int, n_kv_head: int, head_dim: int) -> None:
+        super().__init__()
+        self.sizes = (n_head * head_dim, n_kv_head * head_dim, n_kv_head * head_dim)
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        for name, param in list(module.named_parameters(recurse=False)):
+            sharded = nn.Parameter(distribute_tensor(param, device_mesh, [Shard(0)]), param.requires_grad)
+            module.register_parameter(name, sharded)
+        rank, size = device_mesh.get_local_rank(), device_mesh.size()
+        rows, start = [], 0
+        for width in self.sizes:  # this rank's slice of each of q, k and v
+            rows.append(slice(start + rank * width // size, start + (rank + 1) * width // size))
+            start += width
+
+        def own_heads(tensor: torch.Tensor | None) -> torch.Tensor | None:
+            if tensor is None:
+                return None
+            # all-gathered in forward; in backward each rank's rows-only gradient is summed and scattered
+            full = tensor.redistribute(device_mesh, [Replicate()]).to_local(grad_placements=[Partial()])
+            return torch.cat([full[part] for part in rows])
+
+        def forward(x: torch.Tensor) -> torch.Tensor:
+            # x is replicated; each rank's gradient of it covers only its own heads: a partial sum
+            x = x.to_local(grad_placements=[Partial()]) if isinstance(x, DTensor) else x
+            return F.linear(x, own_heads(module.weight), own_heads(module.bias))
+
+        module.forward = forward  # an instance attribute: parameter names and the class stay as they are
+        return module
+
+
+def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """Shard ``model`` (a ``GPT``) over ``tp_mesh`` in place, with sequence parallelism (module doc)."""
+    config, size = model.config, tp_mesh.size()
+    check_tensor_parallel(size, config)
+    parallelize_module(
+        model,
+        tp_mesh,
+        {
+            "embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+            "norm": SequenceParallel(),
+            "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+        },
+    )
+    if config.tie_embeddings:  # each style made a Parameter of its own from the shared DTensor
+        model.lm_head.weight = model.embed.weight
+    for block in model.blocks:
+        attention = block.attn
+        plan: dict[str, ParallelStyle] = {
+            "attn_norm": SequenceParallel(),
+            # (x, rope, cache): x all-gathered along the sequence
+            "attn": PrepareModuleInput(
+                input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)
+            ),
+            "attn.qkv": HeadParallelQKV(attention.n_head, attention.n_kv_head, attention.head_dim),
+            "attn.proj": RowwiseParallel(output_layouts=Shard(1)),
+            "mlp_norm": SequenceParallel(),
+            "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "mlp.up": ColwiseParallel(),
+            "mlp.down": RowwiseParallel(output_layouts=Shard(1)),
+        }
+        if block.mlp.gate is not None:
+            plan["mlp.gate"] = ColwiseParallel()
+        parallelize_module(block, tp_mesh, plan)
+        # the heads this rank computes (module attributes, not state): reshapes see local widths
+        attention.n_head, attention.n_kv_head = attention.n_head // size, attention.n_kv_head // size
+    for param in model.parameters():
+        param.register_post_accumulate_grad_hook(_reduce_partial_grad)
+
+    def check_length(module: nn.Module, args: tuple[Any, ...]) -> None:
+        if args[0].shape[1] % size:
+            raise UserInputError(
+                f"sequences of {args[0].shape[1]} tokens do not split over tensor_parallel={size} ranks "
+                f"(sequence parallelism); use a sequence length divisible by {size}"
+            )
+
+    model.register_forward_pre_hook(check_length)
+
+
+def _reduce_partial_grad(param: nn.Parameter) -> None:
+    """Give a gradient the placement of its parameter. A sequence-parallel norm's weight is replicated
+    but each rank's gradient covers only its positions (a ``Partial`` sum): all-reduced here, once, so
+    the optimizer, gradient clipping and GradNormMonitor all see the whole gradient."""
+    grad = param.grad
+    if isinstance(grad, DTensor) and grad.placements != param.placements:
+        param.grad = grad.redistribute(param.device_mesh, param.placements)

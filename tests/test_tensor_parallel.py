@@ -1,0 +1,91 @@
+"""ParallelStrategy's tensor parallelism on 2 real gloo ranks, launched through the CLI as a user would:
+the same losses and gradient norms as one process, and bad layouts refused with one line."""
+
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from lightning_train.checkpoint import consolidate
+from tests.conftest import run_cli
+from tests.test_strategy_multiprocess import ENV, _fit
+
+pytestmark = pytest.mark.slow
+TP = [
+    "--trainer.strategy=lightning_train.strategies.ParallelStrategy",
+    "--trainer.strategy.tensor_parallel=2",
+]
+
+
+def _config(tmp_path: Path) -> str:
+    """GQA (4 query heads, 2 key/value heads) so the fused qkv split by heads is exercised; norms above
+    gradient_clip_val, so clipping is real."""
+    config = {
+        "seed_everything": 1234,
+        "trainer": {
+            "accelerator": "cpu", "precision": "32-true", "limit_val_batches": 0, "max_steps": 10,
+            "enable_progress_bar": False, "enable_model_summary": False, "gradient_clip_val": 0.5,
+            "log_every_n_steps": 1,
+        },
+        "model": {
+            "class_path": "lightning_train.PretrainModule",
+            "init_args": {
+                "config": {"vocab_size": 64, "block_size": 16, "n_layer": 2, "n_head": 4, "n_kv_head": 2,
+                           "n_embd": 32},
+                "learning_rate": 3e-3, "warmup_steps": 2, "decay_steps": 100,
+            },
+        },
+        "data": {
+            "class_path": "strategy_probe.PatternDataModule", "init_args": {"samples": 80, "batch_size": 8}
+        },
+    }
+    (tmp_path / "tp.yaml").write_text(yaml.safe_dump(config))
+    return str(tmp_path / "tp.yaml")
+
+
+def test_tensor_parallel_matches_one_process(tmp_path):
+    """tp=2 on 2 ranks, both reading the whole global batch of 8: the one-process losses to 1e-5 and
+    gradient norms (strategy.clip_grad_norm_, what clipping uses) to 1e-5 at each of 10 steps, and its
+    sharded checkpoint consolidates to the one-process weights."""
+    config = _config(tmp_path)
+    [single], _ = _fit(tmp_path, "single", "--config", config, "--trainer.devices=1")
+    tp, _ = _fit(tmp_path, "tp", "--config", config, "--trainer.devices=2", *TP)
+    assert [r["world_size"] for r in tp] == [2, 2] and min(single["grad_norms"]) > 0.5
+    for report in tp:
+        assert report["initial_weights"] == single["initial_weights"]
+        torch.testing.assert_close(report["losses"], single["losses"], rtol=1e-5, atol=0)
+        torch.testing.assert_close(report["grad_norms"], single["grad_norms"], rtol=1e-5, atol=0)
+    # the sharded checkpoint of the tp run (DCP, canonical names and layout) holds the one-process weights
+    consolidate(str(tmp_path / "tp" / "checkpoints" / "last.ckpt"), str(tmp_path / "export"))
+    exported = load_file(tmp_path / "export" / "model.safetensors")
+    single_file = tmp_path / "single" / "checkpoints" / "last.ckpt"
+    reference = torch.load(single_file, weights_only=False)["state_dict"]
+    assert set(exported) == {name.removeprefix("model.") for name in reference}
+    for name, weight in exported.items():
+        torch.testing.assert_close(weight, reference["model." + name], rtol=1e-4, atol=1e-6)
+    # each rank holds half of the sharded weights: the parameter bytes are about half of one process's
+    assert 0.45 < tp[0]["memory"]["param_bytes"] / single["memory"]["param_bytes"] < 0.65
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--trainer.strategy.tensor_parallel=3"], "tensor_parallel=3 does not divide the world size 2"),
+        (
+            ["--model.init_args.config.n_head=2", "--model.init_args.config.n_kv_head=1"],
+            "tensor_parallel=2 does not divide the model's heads (n_head=2, n_kv_head=1)",
+        ),
+    ],
+)
+def test_bad_layout_is_one_line_exit_2(tmp_path, args, message):
+    config = _config(tmp_path)
+    done = run_cli(
+        "fit", "--config", config, "--trainer.devices=2", *TP, *args,
+        f"--trainer.default_root_dir={tmp_path / 'bad'}", cwd=tmp_path, env=ENV, timeout=120,
+    )
+    assert done.returncode == 2, done.stderr[-3000:]
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and message in errors[0], done.stderr[-3000:]
+    assert "Traceback" not in done.stderr
