@@ -253,9 +253,9 @@ class LightningTrainCLI(LightningCLI):
 
     def _run(self, trainer_fn: Callable[..., Any], model: LightningModule, **kwargs: Any) -> None:
         check_model = getattr(self.trainer.strategy, "check_model", None)
-        if check_model is not None:  # a layout the model cannot take: one line, before any process starts
-            check_model(model)
         try:
+            if check_model is not None:  # a layout the model cannot take: one line, before any process starts
+                check_model(model)
             trainer_fn(model, **kwargs)
         except RuntimeError as error:  # a checkpoint of another model shape: one clear line, not a traceback
             mismatch = checkpoint_mismatch_error(error, kwargs.get("ckpt_path"))
