@@ -103,7 +103,7 @@ class PretrainModule(L.LightningModule):
         self.model: nn.Module | None = None
         self.val_loss = MeanMetric()  # token-weighted, synced across ranks by torchmetrics
         self.val_ppl = math.e ** self.val_loss  # a Metric too: exp of the synced mean
-        self.val_source_loss = nn.ModuleDict()  # name -> MeanMetric, for a data mixture's sources
+        self.val_source_loss: nn.ModuleDict | None = None  # name -> MeanMetric, for a mixture's sources
         self._step_loss_sums: torch.Tensor | None = None  # (loss x tokens, tokens) of this optimizer step
 
     # ---- hooks meant for subclasses -------------------------------------------------------------
@@ -160,8 +160,8 @@ class PretrainModule(L.LightningModule):
         if datamodule is not None and isinstance(self.config, GPTConfig):
             self._fit_config_to(datamodule)
         names = getattr(datamodule, "source_names", None) or []
-        if len(names) > 1 and not self.val_source_loss:  # val/<source>/loss for each source of a mixture
-            self.val_source_loss.update({name: MeanMetric() for name in names})
+        if len(names) > 1 and self.val_source_loss is None:  # val/<source>/loss for each mixture source
+            self.val_source_loss = nn.ModuleDict({name: MeanMetric() for name in names})
         self.configure_model()  # so the model exists outside a Trainer too, e.g. in tests
 
     def _fit_config_to(self, datamodule: Any) -> None:
@@ -233,7 +233,7 @@ class PretrainModule(L.LightningModule):
         logits, labels = self(batch["input_ids"]), batch["labels"]
         loss = self.compute_loss(logits, labels)
         self.val_loss.update(loss, weight=(labels != -100).sum())
-        if "source" in batch and self.val_source_loss:
+        if "source" in batch and self.val_source_loss is not None:
             for index, metric in enumerate(self.val_source_loss.values()):
                 rows = batch["source"] == index  # every rank updates every metric: they sync together
                 weight = (labels[rows] != -100).sum()
@@ -244,7 +244,7 @@ class PretrainModule(L.LightningModule):
         # Metric objects: Lightning computes them (torchmetrics syncs the ranks) and knows they are synced.
         self.log("val/loss", self.val_loss, prog_bar=True)
         self.log("val/ppl", self.val_ppl)
-        for name, metric in self.val_source_loss.items():
+        for name, metric in (self.val_source_loss or {}).items():
             self.log(f"val/{name}/loss", metric)
 
     def configure_optimizers(self) -> dict[str, Any]:
