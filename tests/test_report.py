@@ -147,7 +147,7 @@ def test_report_of_a_run_without_recovery_events_says_so(tiny_runs, tmp_path):
     assert "Recovery events and alerts: no recovery events" in Path(result["html"]).read_text()
 
 
-@pytest.mark.parametrize(("run", "plots"), [("pretrain", 6), ("finetune", 3)])
+@pytest.mark.parametrize(("run", "plots"), [("pretrain", 7), ("finetune", 4)])  # goodput.png in each
 def test_report_page_renders_in_a_browser(tiny_runs, tmp_path, run, plots):
     browser = find_browser()
     if browser is None:
