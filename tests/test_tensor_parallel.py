@@ -1,6 +1,7 @@
 """ParallelStrategy's tensor parallelism on 2 real gloo ranks, launched through the CLI as a user would:
 the same losses and gradient norms as one process, and bad layouts refused with one line."""
 
+import csv
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,12 @@ TP = [
     "--trainer.strategy=lightning_train.strategies.ParallelStrategy",
     "--trainer.strategy.tensor_parallel=2",
 ]
+GRAD_NORM_MONITOR = "--trainer.callbacks+=lightning_train.callbacks.GradNormMonitor"
+
+
+def _logged_grad_norms(root: Path) -> list[float]:
+    with open(root / "version_0" / "metrics.csv") as f:
+        return [float(row["health/grad_norm"]) for row in csv.DictReader(f) if row.get("health/grad_norm")]
 
 
 def _config(tmp_path: Path) -> str:
@@ -47,16 +54,21 @@ def _config(tmp_path: Path) -> str:
 
 def test_tensor_parallel_matches_one_process(tmp_path):
     """tp=2 on 2 ranks, both reading the whole global batch of 8: the one-process losses to 1e-5 and
-    gradient norms (strategy.clip_grad_norm_, what clipping uses) to 1e-5 at each of 10 steps, and its
-    sharded checkpoint consolidates to the one-process weights."""
+    gradient norms (strategy.clip_grad_norm_, what clipping uses, and GradNormMonitor's logged
+    health/grad_norm) to 1e-5 at each of 10 steps, and its sharded checkpoint consolidates to the
+    one-process weights."""
     config = _config(tmp_path)
-    [single], _ = _fit(tmp_path, "single", "--config", config, "--trainer.devices=1")
-    tp, _ = _fit(tmp_path, "tp", "--config", config, "--trainer.devices=2", *TP)
+    [single], _ = _fit(tmp_path, "single", "--config", config, "--trainer.devices=1", GRAD_NORM_MONITOR)
+    tp, _ = _fit(tmp_path, "tp", "--config", config, "--trainer.devices=2", *TP, GRAD_NORM_MONITOR)
     assert [r["world_size"] for r in tp] == [2, 2] and min(single["grad_norms"]) > 0.5
     for report in tp:
         assert report["initial_weights"] == single["initial_weights"]
         torch.testing.assert_close(report["losses"], single["losses"], rtol=1e-5, atol=0)
         torch.testing.assert_close(report["grad_norms"], single["grad_norms"], rtol=1e-5, atol=0)
+    # the sequence-parallel norms' Partial gradients are summed before the callbacks read them
+    logged = _logged_grad_norms(tmp_path / "tp")
+    assert len(logged) == 10
+    assert logged == pytest.approx(_logged_grad_norms(tmp_path / "single"), rel=1e-5)
     # the sharded checkpoint of the tp run (DCP, canonical names and layout) holds the one-process weights
     consolidate(str(tmp_path / "tp" / "checkpoints" / "last.ckpt"), str(tmp_path / "export"))
     exported = load_file(tmp_path / "export" / "model.safetensors")

@@ -15,12 +15,17 @@ from __future__ import annotations
 from typing import Any
 
 import lightning.pytorch as pl
+from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from lightning_train.errors import UserInputError
 from lightning_train.strategies.data_parallel import DataParallelStrategy
 from lightning_train.strategies.parallelize import find_transformer
-from lightning_train.strategies.tensor_parallel import apply_tensor_parallel, check_tensor_parallel
+from lightning_train.strategies.tensor_parallel import (
+    apply_tensor_parallel,
+    check_tensor_parallel,
+    reduce_partial_grads,
+)
 
 
 def check_layout(tensor_parallel: int, replicate_size: int, num_nodes: int, devices: int) -> None:
@@ -124,6 +129,11 @@ class ParallelStrategy(DataParallelStrategy):
                 f"{type(module).__name__} has none"
             )
         apply_tensor_parallel(model, self.device_mesh["tp"])
+
+    def post_backward(self, closure_loss: Tensor) -> None:
+        super().post_backward(closure_loss)
+        if self.tensor_parallel > 1:  # before on_before_optimizer_step: every callback sees whole gradients
+            reduce_partial_grads(self.lightning_module)
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:

@@ -133,8 +133,6 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
         parallelize_module(block, tp_mesh, plan)
         # the heads this rank computes (module attributes, not state): reshapes see local widths
         attention.n_head, attention.n_kv_head = attention.n_head // size, attention.n_kv_head // size
-    for param in model.parameters():
-        param.register_post_accumulate_grad_hook(_reduce_partial_grad)
 
     def check_length(module: nn.Module, args: tuple[Any, ...]) -> None:
         if args[0].shape[1] % size:
@@ -146,10 +144,13 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     model.register_forward_pre_hook(check_length)
 
 
-def _reduce_partial_grad(param: nn.Parameter) -> None:
-    """Give a gradient the placement of its parameter. A sequence-parallel norm's weight is replicated
-    but each rank's gradient covers only its positions (a ``Partial`` sum): all-reduced here, once, so
-    the optimizer, gradient clipping and GradNormMonitor all see the whole gradient."""
-    grad = param.grad
-    if isinstance(grad, DTensor) and grad.placements != param.placements:
-        param.grad = grad.redistribute(param.device_mesh, param.placements)
+def reduce_partial_grads(model: nn.Module) -> None:
+    """Give every gradient the placement of its parameter (call after each backward). A sequence-parallel
+    norm's weight is replicated but each rank's gradient covers only its positions (a ``Partial`` sum):
+    all-reduced here, so the optimizer, gradient clipping and GradNormMonitor all see the whole gradient.
+    Not a gradient hook on the parameters: moving the module (``.to``) swaps each DTensor parameter for
+    a new one and silently drops such hooks (``ParallelStrategy`` moves it after this plan)."""
+    for param in model.parameters():
+        grad = param.grad
+        if isinstance(grad, DTensor) and grad.placements != param.placements:
+            param.grad = grad.redistribute(param.device_mesh, param.placements)
