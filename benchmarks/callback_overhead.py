@@ -72,6 +72,37 @@ def tiny_config() -> dict[str, Any]:
     }
 
 
+def shrink_for_smoke(setup: dict[str, Any]) -> None:
+    """A model and batch small enough for ``--smoke`` (seconds)."""
+    model = GPTConfig(vocab_size=258, block_size=32, n_layer=2, n_head=2, n_embd=32)
+    setup.update(model=model, seq_len=32, batch_size=4, log_every_n_steps=2)
+
+
+def setup_record(setup: dict[str, Any], steps: int, warmup: int, **extra: Any) -> dict[str, Any]:
+    """What a result JSON says about the run it timed."""
+    return {
+        "model": vars(setup["model"]), "batch_size": setup["batch_size"], "seq_len": setup["seq_len"],
+        "steps": steps, "timed_steps": steps - warmup, "log_every_n_steps": setup["log_every_n_steps"],
+        "gradient_clip_val": setup["gradient_clip_val"], **extra,
+    }
+
+
+def fit_tiny(setup: dict[str, Any], batches: list, callbacks: list[Callback]) -> None:
+    """``Trainer.fit`` of ``setup``'s model over ``batches`` with ``callbacks`` (a ``StepTimer`` among
+    them): the one Trainer the overhead benchmarks time (fp32, a CSV logger, no checkpoints, no
+    validation), seeded the same for both sides of a pair."""
+    L.seed_everything(0, verbose=False)
+    with tempfile.TemporaryDirectory() as root:
+        trainer = L.Trainer(
+            accelerator="cpu", devices=1, max_steps=len(batches), precision="32-true",
+            gradient_clip_val=setup["gradient_clip_val"], log_every_n_steps=setup["log_every_n_steps"],
+            logger=CSVLogger(root, name=""), callbacks=callbacks, default_root_dir=root,
+            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+            limit_val_batches=0, num_sanity_val_steps=0,
+        )
+        trainer.fit(PretrainModule(setup["model"], warmup_steps=10), DataLoader(batches, batch_size=None))
+
+
 def random_batches(setup: dict[str, Any], steps: int) -> list[dict[str, torch.Tensor]]:
     """Random tokens: the content does not change the cost of a step."""
     generator = torch.Generator().manual_seed(0)
@@ -102,19 +133,10 @@ def time_hooks(callbacks: list[Callback], warmup: int, spent: list[float]) -> No
 
 
 def train(setup: dict[str, Any], batches: list, warmup: int, with_callbacks: bool) -> dict[str, float]:
-    L.seed_everything(0, verbose=False)
     timer, hook_seconds = StepTimer(warmup), [0.0, 0.0]
     callbacks = build_callbacks() if with_callbacks else []
     time_hooks(callbacks, warmup, hook_seconds)
-    with tempfile.TemporaryDirectory() as root:
-        trainer = L.Trainer(
-            accelerator="cpu", devices=1, max_steps=len(batches), precision="32-true",
-            gradient_clip_val=setup["gradient_clip_val"], log_every_n_steps=setup["log_every_n_steps"],
-            logger=CSVLogger(root, name=""), callbacks=[*callbacks, timer], default_root_dir=root,
-            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-            limit_val_batches=0, num_sanity_val_steps=0,
-        )
-        trainer.fit(PretrainModule(setup["model"], warmup_steps=10), DataLoader(batches, batch_size=None))
+    fit_tiny(setup, batches, [*callbacks, timer])
     hooks = per_step((0.0, 0.0), (hook_seconds[0], hook_seconds[1]), timer.steps)
     return {**timer.per_step(), "hooks_wall": hooks["wall"], "hooks_cpu": hooks["cpu"]}
 
@@ -126,8 +148,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     setup = tiny_config()
     steps, warmup, pairs = 40, 10, args.pairs
     if args.smoke:
-        model = GPTConfig(vocab_size=258, block_size=32, n_layer=2, n_head=2, n_embd=32)
-        setup.update(model=model, seq_len=32, batch_size=4, log_every_n_steps=2)
+        shrink_for_smoke(setup)
         steps, warmup, pairs = 6, 2, 1
     batches = random_batches(setup, steps)
     machine = machine_info(args.threads)
@@ -142,11 +163,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "benchmark": "callback_overhead",
         "goal": "with / without callbacks, seconds per step <= 1.01",
         "smoke": args.smoke,
-        "setup": {
-            "model": vars(setup["model"]), "batch_size": setup["batch_size"], "seq_len": setup["seq_len"],
-            "steps": steps, "timed_steps": steps - warmup, "log_every_n_steps": setup["log_every_n_steps"],
-            "gradient_clip_val": setup["gradient_clip_val"], "callbacks": names,
-        },
+        "setup": setup_record(setup, steps, warmup, callbacks=names),
         "machine": {**machine, "load_average_after": machine_info()["load_average_1_5_15"]},
         "results": results,
         "hooks_cpu_share_of_step": hook_share,

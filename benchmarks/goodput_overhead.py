@@ -14,12 +14,17 @@ hardly blurs. Goal: ratio <= 1.005 (negligible, so that the CLI can add it by de
 
 from __future__ import annotations
 
-import tempfile
 from functools import partial
 from typing import Any
 
-import lightning as L
-from callback_overhead import random_batches, time_hooks, tiny_config
+from callback_overhead import (
+    fit_tiny,
+    random_batches,
+    setup_record,
+    shrink_for_smoke,
+    time_hooks,
+    tiny_config,
+)
 from common import (
     StepTimer,
     base_parser,
@@ -32,28 +37,15 @@ from common import (
     summarize,
     write_json,
 )
-from lightning.pytorch.loggers import CSVLogger
-from torch.utils.data import DataLoader
 
 from lightning_train.callbacks import Goodput
-from lightning_train.models.gpt import GPTConfig
-from lightning_train.modules.pretrain import PretrainModule
 
 
 def train(setup: dict[str, Any], batches: list, warmup: int, measured: bool) -> dict[str, float]:
-    L.seed_everything(0, verbose=False)
     timer, hook_seconds = StepTimer(warmup), [0.0, 0.0]
     callbacks = [Goodput(start="created")] if measured else []
     time_hooks(callbacks, warmup, hook_seconds)
-    with tempfile.TemporaryDirectory() as root:
-        trainer = L.Trainer(
-            accelerator="cpu", devices=1, max_steps=len(batches), precision="32-true",
-            gradient_clip_val=setup["gradient_clip_val"], log_every_n_steps=setup["log_every_n_steps"],
-            logger=CSVLogger(root, name=""), callbacks=[*callbacks, timer], default_root_dir=root,
-            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-            limit_val_batches=0, num_sanity_val_steps=0,
-        )
-        trainer.fit(PretrainModule(setup["model"], warmup_steps=10), DataLoader(batches, batch_size=None))
+    fit_tiny(setup, batches, [*callbacks, timer])
     if measured:
         assert callbacks[0].steps["productive"] == len(batches)  # it did its work
     steps = timer.steps
@@ -67,8 +59,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     setup = tiny_config()
     steps, warmup, pairs = 40, 10, args.pairs
     if args.smoke:
-        model = GPTConfig(vocab_size=258, block_size=32, n_layer=2, n_head=2, n_embd=32)
-        setup.update(model=model, seq_len=32, batch_size=4, log_every_n_steps=2)
+        shrink_for_smoke(setup)
         steps, warmup, pairs = 6, 2, 1
     batches = random_batches(setup, steps)
     labels = ("no Goodput", "Goodput")
@@ -80,11 +71,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "benchmark": "goodput_overhead",
         "goal": "with / without Goodput, seconds per step <= 1.005",
         "smoke": args.smoke,
-        "setup": {
-            "model": vars(setup["model"]), "batch_size": setup["batch_size"], "seq_len": setup["seq_len"],
-            "steps": steps, "timed_steps": steps - warmup, "log_every_n_steps": setup["log_every_n_steps"],
-            "callbacks": ["Goodput(start='created')"],
-        },
+        "setup": setup_record(setup, steps, warmup, callbacks=["Goodput(start='created')"]),
         "machine": {**machine_info(args.threads),
                     "load_average_after": machine_info()["load_average_1_5_15"]},
         "results": results,

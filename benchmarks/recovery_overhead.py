@@ -14,12 +14,10 @@ for the wall clock and this process's CPU time. Fault-free steps only: a skipped
 
 from __future__ import annotations
 
-import tempfile
 from functools import partial
 from typing import Any
 
-import lightning as L
-from callback_overhead import random_batches, tiny_config
+from callback_overhead import fit_tiny, random_batches, shrink_for_smoke, tiny_config
 from common import (
     StepTimer,
     base_parser,
@@ -31,27 +29,13 @@ from common import (
     set_threads,
     write_json,
 )
-from lightning.pytorch.loggers import CSVLogger
-from torch.utils.data import DataLoader
 
 from lightning_train.callbacks import NaNRecovery
-from lightning_train.models.gpt import GPTConfig
-from lightning_train.modules.pretrain import PretrainModule
 
 
 def train(setup: dict[str, Any], batches: list, warmup: int, snapshot_every: int, recovery: bool) -> dict:
-    L.seed_everything(0, verbose=False)
     timer = StepTimer(warmup)
-    callbacks = [NaNRecovery(snapshot_every=snapshot_every), timer] if recovery else [timer]
-    with tempfile.TemporaryDirectory() as root:
-        trainer = L.Trainer(
-            accelerator="cpu", devices=1, max_steps=len(batches), precision="32-true",
-            gradient_clip_val=setup["gradient_clip_val"], log_every_n_steps=setup["log_every_n_steps"],
-            logger=CSVLogger(root, name=""), callbacks=callbacks, default_root_dir=root,
-            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-            limit_val_batches=0, num_sanity_val_steps=0,
-        )
-        trainer.fit(PretrainModule(setup["model"], warmup_steps=10), DataLoader(batches, batch_size=None))
+    fit_tiny(setup, batches, [NaNRecovery(snapshot_every=snapshot_every), timer] if recovery else [timer])
     return timer.per_step()
 
 
@@ -62,8 +46,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     setup = tiny_config()
     steps, warmup, snapshot_every, pairs = 110, 10, 100, args.pairs
     if args.smoke:
-        model = GPTConfig(vocab_size=258, block_size=32, n_layer=2, n_head=2, n_embd=32)
-        setup.update(model=model, seq_len=32, batch_size=4, log_every_n_steps=2)
+        shrink_for_smoke(setup)
         steps, warmup, snapshot_every, pairs = 8, 2, 4, 1
     batches = random_batches(setup, steps)
     machine = machine_info(args.threads)

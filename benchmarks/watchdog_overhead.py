@@ -15,13 +15,12 @@ machine's load hardly blurs.
 
 from __future__ import annotations
 
-import tempfile
 import time
 from functools import partial
 from typing import Any
 
 import lightning as L
-from callback_overhead import random_batches, tiny_config
+from callback_overhead import fit_tiny, random_batches, setup_record, shrink_for_smoke, tiny_config
 from common import (
     StepTimer,
     base_parser,
@@ -33,27 +32,14 @@ from common import (
     set_threads,
     write_json,
 )
-from lightning.pytorch.loggers import CSVLogger
-from torch.utils.data import DataLoader
 
 from lightning_train.callbacks import HangWatchdog, StragglerMonitor
-from lightning_train.models.gpt import GPTConfig
-from lightning_train.modules.pretrain import PretrainModule
 
 
 def train(setup: dict[str, Any], batches: list, warmup: int, watched: bool) -> dict[str, float]:
-    L.seed_everything(0, verbose=False)
     timer = StepTimer(warmup)
     callbacks = [HangWatchdog(), StragglerMonitor()] if watched else []
-    with tempfile.TemporaryDirectory() as root:
-        trainer = L.Trainer(
-            accelerator="cpu", devices=1, max_steps=len(batches), precision="32-true",
-            gradient_clip_val=setup["gradient_clip_val"], log_every_n_steps=setup["log_every_n_steps"],
-            logger=CSVLogger(root, name=""), callbacks=[*callbacks, timer], default_root_dir=root,
-            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-            limit_val_batches=0, num_sanity_val_steps=0,
-        )
-        trainer.fit(PretrainModule(setup["model"], warmup_steps=10), DataLoader(batches, batch_size=None))
+    fit_tiny(setup, batches, [*callbacks, timer])
     if watched:
         assert callbacks[0].timeout_s is not None and callbacks[1].last_ratio == 1.0  # both did their work
     return timer.per_step()
@@ -83,8 +69,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     setup = tiny_config()
     steps, warmup, pairs = 60, 10, args.pairs
     if args.smoke:
-        model = GPTConfig(vocab_size=258, block_size=32, n_layer=2, n_head=2, n_embd=32)
-        setup.update(model=model, seq_len=32, batch_size=4, log_every_n_steps=2)
+        shrink_for_smoke(setup)
         steps, warmup, pairs = 10, 6, 1
     batches = random_batches(setup, steps)
     labels = ("no watchdog", "HangWatchdog + StragglerMonitor")
@@ -96,11 +81,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "benchmark": "watchdog_overhead",
         "goal": "with / without HangWatchdog + StragglerMonitor, seconds per step <= 1.005",
         "smoke": args.smoke,
-        "setup": {
-            "model": vars(setup["model"]), "batch_size": setup["batch_size"], "seq_len": setup["seq_len"],
-            "steps": steps, "timed_steps": steps - warmup, "log_every_n_steps": setup["log_every_n_steps"],
-            "callbacks": ["HangWatchdog()", "StragglerMonitor()"],
-        },
+        "setup": setup_record(setup, steps, warmup, callbacks=["HangWatchdog()", "StragglerMonitor()"]),
         "machine": {**machine_info(args.threads),
                     "load_average_after": machine_info()["load_average_1_5_15"]},
         "results": results,
