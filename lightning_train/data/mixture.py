@@ -58,6 +58,8 @@ class MixtureWindows(Dataset):
         merged = np.argsort(np.concatenate(ideal), kind="stable")
         self.source_of = np.concatenate(source_of)[merged]  # draw i of an epoch -> its source
         self.occurrence = np.concatenate(occurrence)[merged]  # ... and how many of that source came before
+        # where each source's draws fall in an epoch: counting them is a search, not a pass over the epoch
+        self._draws_of = [np.flatnonzero(self.source_of == source) for source in range(len(self.sources))]
         self._orders: dict[int, tuple[int, np.ndarray]] = {}  # source -> (its epoch, its permutation)
 
     def __len__(self) -> int:
@@ -79,8 +81,8 @@ class MixtureWindows(Dataset):
         """Each source's draws and its epoch (0: in its first pass) at ``consumed`` draws into mixture
         epoch ``epoch``, of which ``epoch_draws`` are trained on (an epoch's last incomplete global batch
         is dropped; None: all)."""
-        def count(draws: int) -> np.ndarray:
-            return np.bincount(self.source_of[:draws], minlength=len(self.sources))
+        def count(draws: int) -> np.ndarray:  # each source's draws among the epoch's first ``draws``
+            return np.array([np.searchsorted(where, draws) for where in self._draws_of])
 
         done = epoch * count(self.draws if epoch_draws is None else epoch_draws) + count(consumed)
         return {"draws": done.tolist(), "epoch": (done // np.maximum(self.sizes, 1)).tolist()}

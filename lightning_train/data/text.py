@@ -113,6 +113,7 @@ class TextDataModule(ResumableDataModule):
         self.data_dir, self.seq_len, self.batch_size = data_dir, seq_len, batch_size
         self.seed, self.num_workers, self.val_batches = seed, num_workers, val_batches
         self._meta: dict[str, Any] | None = None
+        self._metas: dict[str, dict[str, Any]] | None = None  # per mixture source
         self.train_set: TokenWindows | None = None
         self.val_set: TokenWindows | None = None
 
@@ -124,11 +125,17 @@ class TextDataModule(ResumableDataModule):
             if self.mixture is None:
                 self._meta = read_meta(self._resolve_dir())
             else:
-                metas = {name: read_meta(Path(name).expanduser()) for name in self.mixture}
-                _check_same_tokens(metas)
+                metas = self._source_metas()
                 first = next(iter(metas.values()))
                 self._meta = {**first, "shards": [s for meta in metas.values() for s in meta["shards"]]}
         return self._meta
+
+    def _source_metas(self) -> dict[str, dict[str, Any]]:
+        """Each mixture source's checked ``meta.json``, read once; the sources must agree on tokens."""
+        if self._metas is None:
+            self._metas = {folder: read_meta(Path(folder).expanduser()) for folder in self.mixture}
+            _check_same_tokens(self._metas)
+        return self._metas
 
     @property
     def source_names(self) -> list[str]:
@@ -196,11 +203,9 @@ class TextDataModule(ResumableDataModule):
         self.train_set, self.val_set = train_set, self._limited(self._windows(folder, meta, "val"))
 
     def _setup_mixture(self) -> None:
-        self.meta  # noqa: B018 - checks the sources agree before anything is read
         train, val = [], []
-        for folder in self.mixture:
+        for folder, meta in self._source_metas().items():  # checked to agree before anything is read
             path = Path(folder).expanduser()
-            meta = read_meta(path)
             windows = self._windows(path, meta, "train")
             if len(windows) == 0:
                 raise UserInputError(
