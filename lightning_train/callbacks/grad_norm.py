@@ -49,7 +49,9 @@ class GradNormMonitor(Callback):
     skips unscaling for fused optimizers; this package's precision plugin always unscales); the
     monitor warns once if it finds scaled gradients. With DDP the gradients are already averaged;
     with FSDP2 the local shards' sums of squares are all-reduced, so every rank gets the norm of
-    the full gradient. Shared (tied) parameters count once, in the group where they first appear.
+    the full gradient; under pipeline parallelism each stage's sums are added over the stages (and a
+    tied embedding's second copy, on the last stage, is left out). Shared (tied) parameters count once,
+    in the group where they first appear.
 
     ``step_norms`` gives other callbacks (``NaNRecovery``) this step's norms: computed once a step by
     whichever callback asks first, so the order of the callbacks does not matter. Every norm is computed
@@ -131,6 +133,7 @@ class GradNormMonitor(Callback):
         self._step_key: tuple[int, int] | None = None  # (global_step, batch) of the norms in _step_norms
         self._step_norms = torch.zeros(0)
         self._warned_scaled = False
+        self._pipeline: Any = None  # the strategy's pipeline schedule, under pipeline parallelism
 
     # ---- the fused norm computation -------------------------------------------------------------
     def measure(self, module: nn.Module) -> dict[str, torch.Tensor]:
@@ -160,11 +163,19 @@ class GradNormMonitor(Callback):
     def _build_groups(self, module: nn.Module) -> None:
         if module is self._module:
             return
-        named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
+        pipeline = self._pipeline
+        named = [
+            (name, p) for name, p in module.named_parameters()
+            if p.requires_grad and not (pipeline is not None and pipeline.is_tied_copy(p))
+        ]
         if not named:
             raise UserInputError("GradNormMonitor found no trainable parameters in the module")
         group_of = _assign_groups(module, [name for name, _ in named], self.groups, self.blocks)
         self.group_names = list(dict.fromkeys(group_of.values()))
+        if pipeline is not None:  # each stage holds other layers: one list of all stages' groups, in order
+            gathered: list[Any] = [None] * dist.get_world_size(pipeline.group)
+            dist.all_gather_object(gathered, self.group_names, group=pipeline.group)
+            self.group_names = list(dict.fromkeys(name for names in gathered for name in names))
         index = {group: i for i, group in enumerate(self.group_names)}
         by_key: dict[tuple, list[tuple[nn.Parameter, int]]] = {}
         for name, param in named:
@@ -206,12 +217,17 @@ class GradNormMonitor(Callback):
                 dist.all_reduce(acc, op=op, group=group)
         if math.isinf(p):
             per_group = torch.stack(list(by_shard_groups.values())).amax(0)
+        else:
+            per_group = torch.stack(list(by_shard_groups.values())).sum(0)
+        if self._pipeline is not None:  # the other stages' layers
+            dist.all_reduce(per_group, op=op, group=self._pipeline.group)
+        if math.isinf(p):
             return torch.cat([per_group, per_group.max().unsqueeze(0)])
-        per_group = torch.stack(list(by_shard_groups.values())).sum(0)
         return torch.cat([per_group, per_group.sum().unsqueeze(0)]).pow(1 / p)
 
     # ---- Lightning hooks ------------------------------------------------------------------------
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._pipeline = getattr(trainer.strategy, "pipeline", None)
         self._build_groups(pl_module)
         self._pending, self._step_key = None, None
 

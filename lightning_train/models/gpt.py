@@ -114,9 +114,9 @@ class RotaryEmbedding(nn.Module):
             self.cos.copy_(angles.cos())
             self.sin.copy_(angles.sin())
 
-    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The (cos, sin) tables of ``positions`` (T,), each (T, head_dim): looked up once a forward."""
-        return self.cos[positions], self.sin[positions]
+    def forward(self, start: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The (cos, sin) tables of positions ``start .. start + length - 1``, each (length, head_dim)."""
+        return self.cos[start : start + length], self.sin[start : start + length]
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -155,7 +155,12 @@ class KVCache:
 
     @property
     def length(self) -> int:
-        return 0 if self.keys[0] is None else self.keys[0].shape[2]
+        return self.past_length(0)
+
+    def past_length(self, layer: int) -> int:
+        """Positions already cached for ``layer`` (before this forward's update)."""
+        keys = self.keys[layer]
+        return 0 if keys is None else keys.shape[2]
 
 
 class Attention(nn.Module):
@@ -168,9 +173,7 @@ class Attention(nn.Module):
         )
         self.proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
 
-    def forward(
-        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, cache: KVCache | None
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: RotaryEmbedding | None, cache: KVCache | None) -> torch.Tensor:
         B, T, _ = x.shape
         q, k, v = self.qkv(x).split(
             [self.n_head * self.head_dim, self.n_kv_head * self.head_dim, self.n_kv_head * self.head_dim],
@@ -179,8 +182,9 @@ class Attention(nn.Module):
         q = q.view(B, T, self.n_head, self.head_dim).transpose(1, 2)
         k = k.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
         v = v.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
-        if rope is not None:
-            q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        if rope is not None:  # looked up here, where x holds whole sequences (sequence parallelism too)
+            tables = rope(cache.past_length(self.layer) if cache is not None else 0, T)
+            q, k = apply_rotary(q, *tables), apply_rotary(k, *tables)
         if cache is not None:
             k, v = cache.update(self.layer, k, v)
         # One new token attends to every cached position; a prompt (T > 1) needs the causal mask.
@@ -220,7 +224,7 @@ class Block(nn.Module):
         >>> from lightning_train.models import GPT, Block, GPTConfig
         >>> config = GPTConfig(vocab_size=258, block_size=16, n_layer=1, n_head=2, n_embd=32)
         >>> block, rope = Block(config, layer=0), GPT(config).rope
-        >>> block(torch.randn(2, 8, 32), rope(torch.arange(8))).shape
+        >>> block(torch.randn(2, 8, 32), rope).shape
         torch.Size([2, 8, 32])
     """
 
@@ -235,7 +239,7 @@ class Block(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor] | None,
+        rope: RotaryEmbedding | None,
         cache: KVCache | None = None,
     ) -> torch.Tensor:
         x = x + self.dropout(self.attn(self.attn_norm(x), rope, cache))
@@ -294,7 +298,20 @@ class GPT(nn.Module):
                 module.reset_parameters()
 
     def forward(self, idx: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
-        """Logits of shape (B, T, vocab_size) for token ids ``idx`` of shape (B, T)."""
+        """Logits of shape (B, T, vocab_size) for token ids ``idx`` of shape (B, T).
+
+        A pipeline stage holds some of the blocks only (``lightning_train.strategies.pipeline``): a later
+        stage takes the hidden states (B, T, n_embd) of the stage before as ``idx``, and a stage without
+        the ``lm_head`` returns its hidden states."""
+        x = self.embed_tokens(idx, cache) if idx.dim() == 2 else idx
+        for block in self.blocks:
+            x = block(x, self.rope, cache)
+        if self.lm_head is None:
+            return x
+        return self.lm_head(self.norm(x))
+
+    def embed_tokens(self, idx: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        """The residual stream's start: token (and learned position) embeddings of ``idx`` (B, T)."""
         start = cache.length if cache is not None else 0
         T = idx.shape[1]
         if start + T > self.config.block_size:
@@ -302,15 +319,10 @@ class GPT(nn.Module):
                 f"sequence of {start + T} tokens exceeds the model's block_size={self.config.block_size}; "
                 "use shorter sequences or a model with a larger block_size"
             )
-        positions = torch.arange(start, start + T, device=idx.device)
         x = self.embed(idx)
         if self.pos_embed is not None:
-            x = x + self.pos_embed(positions)
-        x = self.dropout(x)
-        rope = self.rope(positions) if self.rope is not None else None
-        for block in self.blocks:
-            x = block(x, rope, cache)
-        return self.lm_head(self.norm(x))
+            x = x + self.pos_embed(torch.arange(start, start + T, device=idx.device))
+        return self.dropout(x)
 
     def num_params(self, non_embedding: bool = False) -> int:
         """Parameter count (shared tensors once). ``non_embedding`` drops the token and position tables
@@ -326,13 +338,17 @@ class GPT(nn.Module):
         """Training FLOPs per token (forward + backward): 6 per weight that multiplies (every weight
         but the table lookups; a tied lm_head counts) plus attention's 12 * n_layer * n_embd * seq_len
         (PaLM, appendix B)."""
-        seq_len = seq_len or self.config.block_size
-        weights = self.num_params()
-        if self.pos_embed is not None:
-            weights -= self.pos_embed.weight.numel()
-        if not self.config.tie_embeddings:
-            weights -= self.embed.weight.numel()
-        return 6 * weights + 12 * self.config.n_layer * self.config.n_embd * seq_len
+        c = self.config
+        seq_len = seq_len or c.block_size
+        # counted from the config, not the parameters: the same for a pipeline stage or a sharded model
+        norm = c.n_embd * (2 if c.norm == "layernorm" and c.bias else 1)
+        qkv_width = (c.n_head + 2 * c.n_kv_head) * c.head_dim
+        mlp_layers = 3 if c.mlp == "swiglu" else 2
+        block = c.n_embd * qkv_width + c.n_embd**2 + mlp_layers * c.n_embd * c.intermediate_size + 2 * norm
+        if c.bias:
+            block += qkv_width + c.n_embd + (mlp_layers - 1) * c.intermediate_size + c.n_embd
+        weights = c.n_layer * block + norm + c.vocab_size * c.n_embd  # + final norm, lm_head
+        return 6 * weights + 12 * c.n_layer * c.n_embd * seq_len
 
     @torch.no_grad()
     def generate(

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 from torchmetrics import MeanMetric
 
@@ -204,9 +205,13 @@ class FinetuneModule(PretrainModule):
             self.val_token_accuracy.reset()
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
-        logits, labels = self(batch["input_ids"]), batch["labels"]
+        logits, labels = self.logits(batch["input_ids"]), batch["labels"]
         scored = labels != -100
         count = scored.sum()
+        if logits is None:  # a pipeline stage without the head: the last stage's ranks count this batch
+            for metric in (self.val_loss, self.val_token_accuracy):
+                metric.update(torch.zeros((), device=labels.device), weight=0)
+            return
         if count == 0:
             return
         self.val_loss.update(self.compute_loss(logits, labels), weight=count)
@@ -218,7 +223,10 @@ class FinetuneModule(PretrainModule):
         self.log("val/token_accuracy", self.val_token_accuracy)  # a Metric: synced by torchmetrics
         datamodule = getattr(self.trainer, "datamodule", None)
         examples = getattr(datamodule, "eval_examples", None)
-        if examples and not self.trainer.sanity_checking:
+        if examples and self._pipeline() is not None:
+            rank_zero_warn("val/exact_match is not computed under pipeline parallelism (generation needs the "
+                           "whole model on each rank)", category=UserWarning)
+        elif examples and not self.trainer.sanity_checking:
             # Every rank scores every held-out prompt (sharded models need all ranks in each forward), so
             # the mean over ranks that sync_dist takes is the score itself.
             score = self.exact_match(examples, datamodule.eos_id)

@@ -200,12 +200,52 @@ class PretrainModule(L.LightningModule):
         return self.model(input_ids)
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        loss = self.compute_loss(self(batch["input_ids"]), batch["labels"])
+        pipeline = self._pipeline()
+        if pipeline is None:
+            loss = self.compute_loss(self(batch["input_ids"]), batch["labels"])
+        else:  # the strategy's schedule runs forward and backward of every microbatch (loss detached)
+            accumulation = self.trainer.accumulate_grad_batches
+            loss = pipeline.train_step(
+                batch["input_ids"], batch["labels"], self.compute_loss, accumulation, scale=self._scale_loss,
+                zero_grads=batch_idx % accumulation == 0,
+            )
         self._log_train_loss(loss, batch["labels"], batch_idx)
         # A logged float is copied to the device each time: log it when it is written.
         if is_logging_step(self.trainer, before_step=True):
             self.log("train/lr", self.optimizers().param_groups[0]["lr"])
         return loss
+
+    def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: torch.optim.Optimizer) -> None:
+        # Lightning zeroes gradients between training_step and backward; a pipeline schedule runs backward
+        # inside training_step and zeroes them before it (Pipeline.train_step)
+        if self._pipeline() is None:
+            super().optimizer_zero_grad(epoch, batch_idx, optimizer)
+
+    def configure_gradient_clipping(
+        self,
+        optimizer: torch.optim.Optimizer,
+        gradient_clip_val: float | None = None,
+        gradient_clip_algorithm: str | None = None,
+    ) -> None:
+        if self._pipeline() is not None and gradient_clip_val and gradient_clip_algorithm in (None, "norm"):
+            # Lightning's clipping would see this stage's gradients only: clip by the norm of all stages
+            self.trainer.strategy.clip_grad_norm_(gradient_clip_val)
+            return
+        super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
+
+    def _pipeline(self) -> Any:
+        """The strategy's pipeline schedule under pipeline parallelism (``ParallelStrategy``), else None."""
+        return getattr(self.trainer.strategy, "pipeline", None) if attached_trainer(self) else None
+
+    def _scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        scaler = getattr(self.trainer.precision_plugin, "scaler", None)  # fp16's GradScaler
+        return scaler.scale(loss) if scaler is not None else loss
+
+    def logits(self, input_ids: torch.Tensor) -> torch.Tensor | None:
+        """The model's logits for ``input_ids``, without backward; under pipeline parallelism the
+        forward schedule's, on the ranks of the last stage (None on the others)."""
+        pipeline = self._pipeline()
+        return self(input_ids) if pipeline is None else pipeline.forward(input_ids)
 
     def _log_train_loss(self, loss: torch.Tensor, labels: torch.Tensor, batch_idx: int) -> None:
         """``train/loss``: the token-weighted mean over the optimizer step's global batch (every
@@ -230,7 +270,11 @@ class PretrainModule(L.LightningModule):
             self.val_loss.reset()
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
-        logits, labels = self(batch["input_ids"]), batch["labels"]
+        logits, labels = self.logits(batch["input_ids"]), batch["labels"]
+        if logits is None:  # a pipeline stage without the head: the last stage's ranks count this batch
+            for metric in [self.val_loss, *(self.val_source_loss or {}).values()]:
+                metric.update(torch.zeros((), device=labels.device), weight=0)  # synced states, no warning
+            return
         loss = self.compute_loss(logits, labels)
         self.val_loss.update(loss, weight=(labels != -100).sum())
         if "source" in batch and self.val_source_loss is not None:

@@ -198,15 +198,17 @@ class DataParallelStrategy(ModelParallelStrategy):
         if self.activation_checkpointing and fitting:
             apply_activation_checkpointing(module)
         if self.sharding == "fsdp" and self.fsdp_mesh is not None:
-            apply_fsdp(
-                module,
-                self.fsdp_mesh,
-                param_dtype=_LOW_PRECISION.get(self._precision_name),
-                reduce_dtype=self.reduce_dtype,
-                reshard_after_forward=self.reshard_after_forward,
-                cpu_offload=self.cpu_offload,
-            )
+            for root in self.fsdp_roots(module):
+                apply_fsdp(
+                    root,
+                    self.fsdp_mesh,
+                    param_dtype=_LOW_PRECISION.get(self._precision_name),
+                    reduce_dtype=self.reduce_dtype,
+                    reshard_after_forward=self.reshard_after_forward,
+                    cpu_offload=self.cpu_offload,
+                )
         self.model_to_device()  # FSDP placed its shards; this moves the rest (e.g. metric states)
+        self.after_sharding(module)
         if self.sharding == "ddp" and fitting:
             self.model = self._wrap_ddp(module)
         elif self.sharding == "ddp":
@@ -220,6 +222,13 @@ class DataParallelStrategy(ModelParallelStrategy):
 
     def apply_model_parallel(self, module: pl.LightningModule) -> None:
         """Split layers across devices before activation checkpointing and FSDP wrap them (none here)."""
+
+    def fsdp_roots(self, module: pl.LightningModule) -> list[nn.Module]:
+        """The modules FSDP shards each as one root (with its blocks): the whole module here."""
+        return [module]
+
+    def after_sharding(self, module: pl.LightningModule) -> None:
+        """Finish model parallelism once the model is sharded and on its device (nothing here)."""
 
     @property
     def fsdp_mesh(self) -> DeviceMesh | None:

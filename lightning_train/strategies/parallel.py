@@ -1,26 +1,39 @@
-"""ParallelStrategy: data parallelism (FSDP2, as ``DataParallelStrategy``) composed with tensor
-parallelism on one named device mesh.
+"""ParallelStrategy: data parallelism (FSDP2, as ``DataParallelStrategy``) composed with tensor and
+pipeline parallelism on one named device mesh.
 
     trainer = L.Trainer(strategy=ParallelStrategy(tensor_parallel=2), devices=2, accelerator="cpu")
     # CLI: --trainer.strategy=lightning_train.strategies.ParallelStrategy --trainer.strategy.tensor_parallel=2
 
-The mesh is ``(dp_replicate, dp_shard, tp)``, outermost first: tensor parallelism, the most
-communication-hungry, on neighbouring ranks (inside a node); data parallelism gets the rest,
-``world_size / tensor_parallel`` replicas. All ranks of one tensor-parallel group read the same batch.
-The plan for the GPT lives in ``tensor_parallel.py``.
+The mesh is ``(pp, dp_replicate, dp_shard, tp)``, outermost first: tensor parallelism, the most
+communication-hungry, on neighbouring ranks (inside a node); pipeline stages, which exchange only one
+activation per microbatch, farthest apart (across nodes); data parallelism gets the rest,
+``world_size / (tensor_parallel * pipeline_parallel)`` replicas. All ranks of one tensor-parallel group,
+and all stages of one pipeline, read the same batch. The plans for the GPT live in
+``tensor_parallel.py`` and ``pipeline.py``.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, Literal
 
 import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from lightning_train.errors import UserInputError
 from lightning_train.strategies.data_parallel import DataParallelStrategy
 from lightning_train.strategies.parallelize import find_transformer
+from lightning_train.strategies.pipeline import (
+    Pipeline,
+    check_pipeline,
+    check_stages,
+    pipeline_stage_ids,
+    split_blocks,
+    stage_model,
+)
 from lightning_train.strategies.tensor_parallel import (
     apply_tensor_parallel,
     check_tensor_parallel,
@@ -28,7 +41,9 @@ from lightning_train.strategies.tensor_parallel import (
 )
 
 
-def check_layout(tensor_parallel: int, replicate_size: int, num_nodes: int, devices: int) -> None:
+def check_layout(
+    tensor_parallel: int, replicate_size: int, num_nodes: int, devices: int, pipeline_parallel: int = 1
+) -> None:
     """Refuse a mesh that does not divide the world size ``num_nodes * devices``."""
     world_size = num_nodes * devices
     if tensor_parallel < 1 or world_size % tensor_parallel:
@@ -36,24 +51,41 @@ def check_layout(tensor_parallel: int, replicate_size: int, num_nodes: int, devi
             f"tensor_parallel={tensor_parallel} does not divide the world size {world_size} "
             f"(num_nodes={num_nodes} x devices={devices}); use a divisor of the devices of one node"
         )
-    data_parallel = world_size // tensor_parallel
+    if world_size % (tensor_parallel * pipeline_parallel):
+        raise UserInputError(
+            f"tensor_parallel={tensor_parallel} x pipeline_parallel={pipeline_parallel} does not divide the "
+            f"world size {world_size} (num_nodes={num_nodes} x devices={devices}); use sizes whose product "
+            "divides it"
+        )
+    data_parallel = world_size // (tensor_parallel * pipeline_parallel)
     if replicate_size < 1 or data_parallel % replicate_size:
         raise UserInputError(
             f"replicate_size={replicate_size} does not divide the data-parallel size {data_parallel} "
-            f"(world size {world_size} / tensor_parallel={tensor_parallel}); use a divisor, e.g. num_nodes"
+            f"(world size {world_size} / tensor_parallel={tensor_parallel} / pipeline_parallel="
+            f"{pipeline_parallel}); use a divisor, e.g. num_nodes"
         )
 
 
 class ParallelStrategy(DataParallelStrategy):
-    """``DataParallelStrategy`` with tensor parallelism (``tensor_parallel`` ranks split every layer).
+    """``DataParallelStrategy`` with tensor parallelism (``tensor_parallel`` ranks split every layer) and
+    pipeline parallelism (``pipeline_parallel`` stages each run some of the layers).
 
     Args:
         tensor_parallel: ranks that split each layer (heads, MLP width, vocabulary) and the sequence
             between layers; must divide the world size, ``n_head``, ``n_kv_head`` and the sequence length.
-            1 is plain data parallelism.
-        **kwargs: the options of ``DataParallelStrategy``. With ``tensor_parallel > 1``, ``sharding``
-            ``"auto"`` is ``"fsdp"`` (FSDP2 over the data-parallel ranks, when there are several;
-            checkpoints are sharded folders); ``"ddp"`` is refused.
+        pipeline_parallel: stages the sequence of blocks is cut into (the embedding on the first, the
+            final norm, head and loss on the last).
+        microbatches: microbatches per batch in the pipeline (None: 2 x stages); must divide the
+            per-device batch size.
+        pipeline_schedule: ``"1F1B"`` (one forward, one backward: the least activation memory),
+            ``"GPipe"`` (all forwards, then all backwards) or ``"Interleaved1F1B"`` (``virtual_stages``
+            stages per rank: a smaller bubble for more communication).
+        virtual_stages: stages per rank, for ``Interleaved1F1B`` (>= 2), else 1.
+        pipeline_split_points: the block indices where stages 2, 3, ... start; None: balanced by
+            parameters.
+        **kwargs: the options of ``DataParallelStrategy``. With model parallelism, ``sharding`` ``"auto"``
+            is ``"fsdp"`` (FSDP2 over the data-parallel ranks, when there are several; checkpoints are
+            sharded folders); ``"ddp"`` is refused.
 
     Example (one CPU process: tensor_parallel=1 is DataParallelStrategy under another name):
 
@@ -65,40 +97,63 @@ class ParallelStrategy(DataParallelStrategy):
         'fsdp'
     """
 
-    def __init__(self, tensor_parallel: int = 1, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        tensor_parallel: int = 1,
+        pipeline_parallel: int = 1,
+        microbatches: int | None = None,
+        pipeline_schedule: Literal["1F1B", "GPipe", "Interleaved1F1B"] = "1F1B",
+        virtual_stages: int = 1,
+        pipeline_split_points: Sequence[int] | None = None,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(**kwargs)
         if tensor_parallel < 1:
             raise UserInputError(f"tensor_parallel={tensor_parallel}: use an int >= 1")
-        if tensor_parallel > 1 and self.sharding == "ddp":
+        check_pipeline(
+            pipeline_parallel, pipeline_schedule, microbatches, virtual_stages, pipeline_split_points
+        )
+        model_parallel = tensor_parallel * pipeline_parallel > 1
+        if model_parallel and self.sharding == "ddp":
             raise UserInputError(
-                f"sharding='ddp' does not combine with tensor_parallel={tensor_parallel} yet; use "
-                "sharding='fsdp' (or 'auto')"
+                f"sharding='ddp' does not combine with tensor_parallel={tensor_parallel} x "
+                f"pipeline_parallel={pipeline_parallel} yet; use sharding='fsdp' (or 'auto')"
             )
-        if tensor_parallel > 1:
+        if model_parallel:
             self.sharding = "fsdp"
-        self.tensor_parallel = tensor_parallel
+        self.tensor_parallel, self.pipeline_parallel = tensor_parallel, pipeline_parallel
+        self.microbatches = microbatches or 2 * pipeline_parallel * virtual_stages
+        self.pipeline_schedule, self.virtual_stages = pipeline_schedule, virtual_stages
+        self.pipeline_split_points = None if pipeline_split_points is None else list(pipeline_split_points)
+        self.pipeline: Pipeline | None = None  # built in setup when pipeline_parallel > 1
+        self._stage_ids: list[int] = []  # this rank's pipeline stages
+        self._stage_views: list[torch.nn.Module] = []  # the model each of them runs
 
     # ---- the mesh -------------------------------------------------------------------------------------
     def _configure_launcher(self) -> None:
-        check_layout(self.tensor_parallel, self.replicate_size, self.num_nodes, self.num_processes)
+        check_layout(
+            self.tensor_parallel, self.replicate_size, self.num_nodes, self.num_processes,
+            self.pipeline_parallel,
+        )
         super()._configure_launcher()
 
     def _build_mesh(self) -> DeviceMesh:
-        tp, replicate = self.tensor_parallel, self.replicate_size
-        data_parallel = self.world_size // tp
+        tp, pp, replicate = self.tensor_parallel, self.pipeline_parallel, self.replicate_size
+        data_parallel = self.world_size // (tp * pp)
         return init_device_mesh(
             self.root_device.type,
-            (replicate, data_parallel // replicate, tp),
-            mesh_dim_names=("dp_replicate", "dp_shard", "tp"),
+            (pp, replicate, data_parallel // replicate, tp),
+            mesh_dim_names=("pp", "dp_replicate", "dp_shard", "tp"),
         )
 
     @property
     def data_parallel_size(self) -> int:
-        return self.world_size // self.tensor_parallel
+        return self.world_size // (self.tensor_parallel * self.pipeline_parallel)
 
     @property
     def data_parallel_rank(self) -> int:
-        return self.global_rank // self.tensor_parallel  # tp is the innermost mesh dimension
+        # rank = ((pp * dp) + dp_rank) * tp + tp_rank: tp innermost, pp outermost
+        return self.global_rank // self.tensor_parallel % self.data_parallel_size
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
@@ -109,31 +164,115 @@ class ParallelStrategy(DataParallelStrategy):
         mesh = self.device_mesh
         if mesh["dp_replicate"].size() > 1:
             return mesh["dp_replicate", "dp_shard"]
-        if mesh["dp_shard"].size() > 1 or self.tensor_parallel == 1:
+        if mesh["dp_shard"].size() > 1 or self.tensor_parallel * self.pipeline_parallel == 1:
             return mesh["dp_shard"]
-        return None  # tensor parallelism only: nothing to shard over
+        return None  # model parallelism only: nothing to shard over
 
     # ---- the model ----------------------------------------------------------------------------------
     def check_model(self, module: pl.LightningModule) -> None:
-        """Refuse a model ``tensor_parallel`` cannot split (the CLI calls this before any process starts)."""
-        check_tensor_parallel(self.tensor_parallel, getattr(module, "config", None))
+        """Refuse a model the layout cannot split (the CLI calls this before any process starts)."""
+        config = getattr(module, "config", None)
+        check_tensor_parallel(self.tensor_parallel, config)
+        if self.pipeline_parallel > 1:
+            num_stages = self.pipeline_parallel * self.virtual_stages
+            check_stages(num_stages, getattr(config, "n_layer", 0), self.pipeline_split_points)
 
     def apply_model_parallel(self, module: pl.LightningModule) -> None:
-        if self.tensor_parallel == 1:
+        if self.tensor_parallel * self.pipeline_parallel == 1:
             return
         self.check_model(module)
         model = find_transformer(module)
         if model is None:
             raise UserInputError(
-                f"tensor_parallel={self.tensor_parallel} needs a GPT (a module with `blocks`); "
-                f"{type(module).__name__} has none"
+                f"tensor_parallel={self.tensor_parallel} x pipeline_parallel={self.pipeline_parallel} needs "
+                f"a GPT (a module with `blocks`); {type(module).__name__} has none"
             )
-        apply_tensor_parallel(model, self.device_mesh["tp"])
+        if self.pipeline_parallel > 1:
+            model = self._keep_own_stages(module, model)
+        if self.tensor_parallel > 1:
+            for part in self._stage_views or [model]:
+                apply_tensor_parallel(part, self.device_mesh["tp"])
+
+    def _keep_own_stages(self, module: pl.LightningModule, model: torch.nn.Module) -> torch.nn.Module:
+        """Replace the GPT by what this rank's stages hold (``pipeline.stage_model``); the rest is freed."""
+        num_stages = self.pipeline_parallel * self.virtual_stages
+        splits = split_blocks(model, num_stages, self.pipeline_split_points)
+        pp_rank = self.device_mesh["pp"].get_local_rank()
+        self._stage_ids = pipeline_stage_ids(pp_rank, self.pipeline_parallel, self.virtual_stages)
+        self._stage_views = [
+            stage_model(model, splits[i], i == 0, i == num_stages - 1) for i in self._stage_ids
+        ]
+        held = self._stage_views[0]
+        if self.virtual_stages > 1:  # the module holds all of this rank's stages (state dict, optimizer)
+            owned = [index for i in self._stage_ids for index in splits[i]]
+            held = stage_model(model, owned, 0 in self._stage_ids, num_stages - 1 in self._stage_ids)
+        name = next((name for name, child in module.named_children() if child is model), None)
+        if name is None:
+            raise UserInputError(
+                f"pipeline_parallel needs the GPT as a direct attribute of {type(module).__name__} (e.g. "
+                "self.model)"
+            )
+        setattr(module, name, held)
+        return held
+
+    def fsdp_roots(self, module: pl.LightningModule) -> list[torch.nn.Module]:
+        # each stage is an FSDP root of its own: a schedule runs stages, never the whole module
+        return self._stage_views or [module]
+
+    def after_sharding(self, module: pl.LightningModule) -> None:
+        if self.pipeline_parallel == 1:
+            return
+        mesh = self.device_mesh
+        num_stages = self.pipeline_parallel * self.virtual_stages
+        self.pipeline = Pipeline(
+            self._stage_views, self._stage_ids, num_stages, self.pipeline_schedule, self.microbatches,
+            group=mesh.get_group("pp"), tied_group=self._tied_embedding_group(module),
+            device=self.root_device,
+        )
+
+    def _tied_embedding_group(self, module: pl.LightningModule) -> dist.ProcessGroup | None:
+        """The group of the first and the last stage's ranks of this rank's pipeline (a tied embedding's
+        two copies), created on every rank as ``new_subgroups_by_enumeration`` requires; None if untied."""
+        if not getattr(module.config, "tie_embeddings", False):
+            return None
+        ranks = self.device_mesh.mesh  # (pp, dp_replicate, dp_shard, tp) global ranks
+        pairs = [[int(a), int(b)] for a, b in zip(ranks[0].flatten(), ranks[-1].flatten(), strict=True)]
+        group, _ = dist.new_subgroups_by_enumeration(pairs, backend=dist.get_backend())
+        return group  # None on the ranks of the middle stages
+
+    # ---- the step -----------------------------------------------------------------------------------
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
+        if self.pipeline is None:
+            return super().clip_grad_norm_(max_norm, norm_type)
+        # the norm over all stages (Lightning's clipping sees this rank's stage only)
+        params = [p for p in self.lightning_module.parameters() if p.grad is not None]
+        counted = [p.grad for p in params if not self.pipeline.is_tied_copy(p)]
+        norm = self.pipeline.total_norm(counted, norm_type)
+        coefficient = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        with torch.no_grad():
+            for param in params:
+                grad = param.grad
+                (grad.to_local() if hasattr(grad, "to_local") else grad).mul_(coefficient)
+        return norm
+
+    def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
+        if self.pipeline is None:
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        # the pipeline schedule ran every microbatch's backward in training_step; the hooks still run once
+        module = self.lightning_module
+        self.pre_backward(closure_loss)
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
+        closure_loss = self.precision_plugin.post_backward(closure_loss, module)
+        self.post_backward(closure_loss)
+        return closure_loss
 
     def post_backward(self, closure_loss: Tensor) -> None:
         super().post_backward(closure_loss)
-        if self.tensor_parallel > 1:  # before on_before_optimizer_step: every callback sees whole gradients
+        # before on_before_optimizer_step: every callback sees whole gradients
+        if self.tensor_parallel > 1:
             reduce_partial_grads(self.lightning_module)
+        if self.pipeline is not None:
+            self.pipeline.sum_tied_grads(find_transformer(self.lightning_module))
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:

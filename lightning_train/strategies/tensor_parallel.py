@@ -102,16 +102,14 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     """Shard ``model`` (a ``GPT``) over ``tp_mesh`` in place, with sequence parallelism (module doc)."""
     config, size = model.config, tp_mesh.size()
     check_tensor_parallel(size, config)
-    parallelize_module(
-        model,
-        tp_mesh,
-        {
-            "embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-            "norm": SequenceParallel(),
-            "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
-        },
-    )
-    if config.tie_embeddings:  # each style made a Parameter of its own from the shared DTensor
+    outer = {  # a pipeline stage holds some of these only (pipeline.stage_model)
+        "embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "norm": SequenceParallel(),
+        "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+    }
+    held = {name: style for name, style in outer.items() if getattr(model, name) is not None}
+    parallelize_module(model, tp_mesh, held)
+    if config.tie_embeddings and model.lm_head is not None:  # each style made a Parameter of its own
         model.lm_head.weight = model.embed.weight
     for block in model.blocks:
         attention = block.attn
@@ -135,7 +133,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
         attention.n_head, attention.n_kv_head = attention.n_head // size, attention.n_kv_head // size
 
     def check_length(module: nn.Module, args: tuple[Any, ...]) -> None:
-        if args[0].shape[1] % size:
+        if args[0].dim() == 2 and args[0].shape[1] % size:  # token ids (a later stage gets shards)
             raise UserInputError(
                 f"sequences of {args[0].shape[1]} tokens do not split over tensor_parallel={size} ranks "
                 f"(sequence parallelism); use a sequence length divisible by {size}"

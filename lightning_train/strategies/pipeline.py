@@ -1,0 +1,274 @@
+"""Pipeline parallelism for the GPT, with ``torch.distributed.pipelining``, applied from outside.
+
+``split_blocks`` cuts the sequence of blocks into stages (balanced by parameters, or at given split
+points); ``stage_model`` keeps of the GPT what one stage computes: its blocks (in a ``ModuleList`` keyed
+by their indices in the whole model, so parameter names and checkpoints do not change), the embedding
+on the first stage, the final norm and head on the last. ``gpt.py`` stays plain: a stage without the
+embedding takes hidden states, one without the head returns them.
+
+With tied embeddings the last stage keeps the embedding too (its weight is the head's); the two copies
+start equal (every rank builds the same model from the same seed) and stay equal because their
+gradients are summed after each backward (``Pipeline.sum_tied_grads``, Megatron's embedding group).
+
+``Pipeline`` runs a schedule (``1F1B``, ``GPipe``, ``Interleaved1F1B``) over the microbatches of one
+batch inside Lightning's training step: each microbatch's loss is weighted by its share of the batch's
+scored tokens, so the gradients, and the loss returned, are those of one process on the whole batch.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import (
+    PipelineScheduleSingle,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+)
+
+from lightning_train.errors import UserInputError
+
+SCHEDULES = {"1F1B": Schedule1F1B, "GPipe": ScheduleGPipe, "Interleaved1F1B": ScheduleInterleaved1F1B}
+LossFn = Callable[[Tensor, Tensor], Tensor]
+
+
+def check_pipeline(
+    pipeline_parallel: int,
+    schedule: str,
+    microbatches: int | None,
+    virtual_stages: int,
+    split_points: Sequence[int] | None,
+) -> None:
+    """Refuse pipeline options that cannot work whatever the model (``check_stages`` checks the model)."""
+    if pipeline_parallel < 1:
+        raise UserInputError(f"pipeline_parallel={pipeline_parallel}: use an int >= 1")
+    if schedule not in SCHEDULES:
+        raise UserInputError(f"pipeline_schedule={schedule!r} is not one of {', '.join(SCHEDULES)}")
+    if microbatches is not None and microbatches < 1:
+        raise UserInputError(f"microbatches={microbatches}: use an int >= 1 (or null: 2 x stages)")
+    if virtual_stages < 1:
+        raise UserInputError(f"virtual_stages={virtual_stages}: use an int >= 1")
+    if (virtual_stages > 1) != (schedule == "Interleaved1F1B"):
+        raise UserInputError(
+            f"pipeline_schedule={schedule!r} with virtual_stages={virtual_stages}: Interleaved1F1B runs "
+            "virtual_stages >= 2 stages per rank, the other schedules one; set both together"
+        )
+    if split_points is not None and pipeline_parallel == 1:
+        raise UserInputError("pipeline_split_points needs pipeline_parallel >= 2; remove it")
+
+
+def check_stages(num_stages: int, n_layer: int, split_points: Sequence[int] | None) -> None:
+    """Refuse a split the model's ``n_layer`` blocks cannot take (each stage needs one block at least)."""
+    if n_layer < num_stages:
+        raise UserInputError(
+            f"{num_stages} pipeline stages need at least {num_stages} blocks; the model has "
+            f"n_layer={n_layer}: lower pipeline_parallel (or virtual_stages) or use a deeper model"
+        )
+    if split_points is None:
+        return
+    points = list(split_points)
+    increasing = points == sorted(set(points)) and points[0] > 0 and points[-1] < n_layer
+    if len(points) != num_stages - 1 or not increasing:
+        raise UserInputError(
+            f"pipeline_split_points={points} must be {num_stages - 1} increasing block indices in "
+            f"1..{n_layer - 1} (where stages 2..{num_stages} start), e.g. "
+            f"{[n_layer * (i + 1) // num_stages for i in range(num_stages - 1)]}"
+        )
+
+
+def split_blocks(model: nn.Module, num_stages: int, split_points: Sequence[int] | None = None) -> list[range]:
+    """The blocks of each stage: contiguous ranges cut at ``split_points`` (the first block of stages 2, 3,
+    ...), or else the split whose largest stage holds the fewest parameters (the first stage counts the
+    embeddings, the last the final norm and head; a tied head counts again: the last stage computes it)."""
+    n_layer = len(model.blocks)
+    check_stages(num_stages, n_layer, split_points)
+    if split_points is not None:
+        bounds = [0, *split_points, n_layer]
+        return [range(bounds[i], bounds[i + 1]) for i in range(num_stages)]
+    cost = [sum(p.numel() for p in block.parameters()) for block in model.blocks]
+    cost[0] += sum(p.numel() for p in model.embed.parameters())
+    if model.pos_embed is not None:
+        cost[0] += model.pos_embed.weight.numel()
+    cost[-1] += model.lm_head.weight.numel() + sum(p.numel() for p in model.norm.parameters())
+    # best[s][j]: the least largest-stage cost of blocks [0, j) in s stages, and where its last stage starts
+    inf = float("inf")
+    best = [[(inf, 0)] * (n_layer + 1) for _ in range(num_stages + 1)]
+    best[0][0] = (0, 0)
+    for stages in range(1, num_stages + 1):
+        for end in range(stages, n_layer + 1):
+            best[stages][end] = min(
+                (max(best[stages - 1][start][0], sum(cost[start:end])), start)
+                for start in range(stages - 1, end)
+            )
+    bounds, end = [n_layer], n_layer
+    for stages in range(num_stages, 0, -1):
+        end = best[stages][end][1]
+        bounds.append(end)
+    bounds.reverse()
+    return [range(bounds[i], bounds[i + 1]) for i in range(num_stages)]
+
+
+def stage_model(model: nn.Module, blocks: Sequence[int], first: bool, last: bool) -> nn.Module:
+    """A shallow copy of ``model`` (a ``GPT``) holding what one stage, or one rank's stages, compute:
+    ``blocks`` (by index in the whole model), the embeddings if ``first``, the final norm and head if
+    ``last`` (and the embedding a tied head shares). Its modules are the model's own, not copies."""
+    stage = type(model).__new__(type(model))
+    nn.Module.__init__(stage)  # hooks and children of its own (FSDP and TP register hooks on a stage)
+    stage.config, stage.training = model.config, model.training
+    for name in ("embed", "pos_embed", "rope", "dropout", "blocks", "norm", "lm_head"):  # GPT's children
+        setattr(stage, name, getattr(model, name))
+    kept = nn.ModuleList()
+    for index in blocks:
+        kept.add_module(str(index), model.blocks[index])  # keyed by the global index: names do not change
+    stage.blocks = kept
+    tied = model.config.tie_embeddings
+    if not first:
+        stage.pos_embed = None
+        if not (last and tied):
+            stage.embed = None
+    if not last:
+        stage.norm, stage.lm_head = None, None
+    return stage
+
+
+def pipeline_stage_ids(pp_rank: int, pp_size: int, virtual_stages: int) -> list[int]:
+    """The stages rank ``pp_rank`` runs: one, or every ``pp_size``-th of ``pp_size * virtual_stages``
+    (the interleaved schedule's loop: rank 0 runs stages 0 and pp_size, ...)."""
+    return [pp_rank + pp_size * v for v in range(virtual_stages)]
+
+
+class Pipeline:
+    """The schedule of one rank's stage(s): runs forward and backward of every microbatch of a batch.
+
+    Args:
+        stage_modules: this rank's stage models (``stage_model``), in schedule order.
+        stage_ids: their indices among ``num_stages``.
+        num_stages: stages in the whole pipeline.
+        schedule: a key of ``SCHEDULES``.
+        microbatches: microbatches per batch (the local batch size must divide by it).
+        group: the pipeline process group (this rank's ``pp`` mesh dimension).
+        tied_group: the group of the first and last stage's ranks that share a tied embedding, or None.
+        device: where the stages run.
+    """
+
+    def __init__(
+        self,
+        stage_modules: Sequence[nn.Module],
+        stage_ids: Sequence[int],
+        num_stages: int,
+        schedule: str,
+        microbatches: int,
+        group: dist.ProcessGroup,
+        tied_group: dist.ProcessGroup | None,
+        device: torch.device,
+    ) -> None:
+        self.stage_modules, self.microbatches = list(stage_modules), microbatches
+        self.group, self.tied_group = group, tied_group
+        self.is_last = num_stages - 1 in stage_ids
+        model = stage_modules[-1]
+        # the last stage's copy of a tied embedding (the first stage's counts in norms)
+        self._tied_copy = model.embed.weight if tied_group is not None and 0 not in stage_ids else None
+        self.last_stage_rank = dist.get_global_rank(group, (num_stages - 1) % dist.get_world_size(group))
+        self._stages = [
+            PipelineStage(module, index, num_stages, device, group=group)
+            for module, index in zip(stage_modules, stage_ids, strict=True)
+        ]
+        self._schedule_class = SCHEDULES[schedule]
+        self._train_schedule = self._make_schedule(self._weighted_loss)
+        self._eval_schedules: dict[int, Any] = {}  # by microbatch count: the last batch may be smaller
+        self._loss_fn: LossFn | None = None
+        self._scale: Callable[[Tensor], Tensor] = lambda loss: loss
+        self._weights: tuple[Tensor, float] | None = None  # (scored tokens of the batch, accumulation)
+        self._losses: list[Tensor] = []
+
+    def _make_schedule(self, loss_fn: LossFn | None, microbatches: int | None = None) -> Any:
+        n = microbatches or self.microbatches
+        # scale_grads=False: _weighted_loss already weights each microbatch by its share of the batch
+        if issubclass(self._schedule_class, PipelineScheduleSingle):
+            return self._schedule_class(self._stages[0], n, loss_fn=loss_fn, scale_grads=False)
+        return self._schedule_class(self._stages, n, loss_fn=loss_fn, scale_grads=False)
+
+    def _weighted_loss(self, logits: Tensor, labels: Tensor) -> Tensor:
+        tokens, accumulation = self._weights
+        loss = self._loss_fn(logits, labels) * ((labels != -100).sum() / tokens)
+        self._losses.append(loss.detach())
+        return self._scale(loss / accumulation)
+
+    def _check_batch(self, input_ids: Tensor) -> None:
+        if input_ids.shape[0] % self.microbatches:
+            raise UserInputError(
+                f"a batch of {input_ids.shape[0]} sequences does not split into microbatches="
+                f"{self.microbatches}; use a per-device batch_size divisible by {self.microbatches}, or set "
+                "the strategy's microbatches to a divisor of it"
+            )
+
+    def train_step(
+        self,
+        input_ids: Tensor,
+        labels: Tensor,
+        loss_fn: LossFn,
+        accumulation: int = 1,
+        scale: Callable[[Tensor], Tensor] | None = None,
+        zero_grads: bool = True,
+    ) -> Tensor:
+        """Forward and backward of every microbatch; gradients accumulate in the stage parameters as one
+        process's would for ``loss_fn`` on the whole batch divided by ``accumulation`` (set to None
+        first if ``zero_grads``: the first batch of an optimizer step). ``scale`` is applied to each
+        microbatch's loss before its backward (a GradScaler's). Returns the batch's loss, detached, on
+        every stage."""
+        self._check_batch(input_ids)
+        if zero_grads:
+            for module in self.stage_modules:
+                module.zero_grad(set_to_none=True)
+        self._loss_fn, self._scale = loss_fn, scale or (lambda loss: loss)
+        self._weights = ((labels != -100).sum().clamp(min=1), accumulation)
+        self._losses = []
+        self._train_schedule.step(input_ids, target=labels)
+        # the last n: the first step's shape inference calls the loss once more, before the microbatches
+        loss = torch.stack(self._losses[-self.microbatches:]).sum() if self.is_last else None
+        return self._broadcast_from_last(loss, labels)
+
+    def forward(self, input_ids: Tensor) -> Tensor | None:
+        """The logits of ``input_ids`` (no backward): on the rank of the last stage; None on the others."""
+        size = input_ids.shape[0]  # the most microbatches, up to the training's, that split the batch
+        n = next(m for m in range(min(self.microbatches, size), 0, -1) if size % m == 0)
+        if n not in self._eval_schedules:
+            self._eval_schedules[n] = self._make_schedule(None, n)
+        return self._eval_schedules[n].eval(input_ids)
+
+    def _broadcast_from_last(self, value: Tensor | None, like: Tensor) -> Tensor:
+        if value is None:
+            value = torch.zeros((), device=like.device)
+        value = value.float().contiguous()
+        dist.broadcast(value, src=self.last_stage_rank, group=self.group)
+        return value
+
+    def is_tied_copy(self, param: Tensor) -> bool:
+        """Whether ``param`` is the last stage's copy of a tied embedding (left out of gradient norms)."""
+        return param is self._tied_copy
+
+    def total_norm(self, grads: Sequence[Tensor], norm_type: float) -> Tensor:
+        """The ``norm_type`` norm of the gradients of every stage, from this rank's ``grads`` (tied copy
+        left out; DTensor shards are combined by torch)."""
+        norm = torch.nn.utils.get_total_norm(grads, norm_type)
+        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        if math.isinf(norm_type):
+            dist.all_reduce(norm, op=dist.ReduceOp.MAX, group=self.group)
+            return norm
+        total = norm.double() ** norm_type
+        dist.all_reduce(total, group=self.group)
+        return (total ** (1 / norm_type)).to(norm.dtype)
+
+    def sum_tied_grads(self, model: nn.Module) -> None:
+        """Sum the gradients of the embedding the first and last stages share (their copies stay equal)."""
+        if self.tied_group is None:
+            return
+        grad = model.embed.weight.grad
+        local = grad.to_local() if hasattr(grad, "to_local") else grad
+        dist.all_reduce(local, group=self.tied_group)
