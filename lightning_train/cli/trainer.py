@@ -255,7 +255,7 @@ class LightningTrainCLI(LightningCLI):
         check_model = getattr(self.trainer.strategy, "check_model", None)
         try:
             if check_model is not None:  # a layout the model cannot take: one line, before any process starts
-                check_model(model)
+                check_model(model, kwargs.get("datamodule"))
             trainer_fn(model, **kwargs)
         except RuntimeError as error:  # a checkpoint of another model shape: one clear line, not a traceback
             mismatch = checkpoint_mismatch_error(error, kwargs.get("ckpt_path"))

@@ -28,6 +28,7 @@ from lightning_train.strategies.data_parallel import DataParallelStrategy
 from lightning_train.strategies.parallelize import find_transformer
 from lightning_train.strategies.pipeline import (
     Pipeline,
+    check_microbatches,
     check_pipeline,
     check_stages,
     pipeline_stage_ids,
@@ -169,13 +170,15 @@ class ParallelStrategy(DataParallelStrategy):
         return None  # model parallelism only: nothing to shard over
 
     # ---- the model ----------------------------------------------------------------------------------
-    def check_model(self, module: pl.LightningModule) -> None:
-        """Refuse a model the layout cannot split (the CLI calls this before any process starts)."""
+    def check_model(self, module: pl.LightningModule, datamodule: Any = None) -> None:
+        """Refuse a model (or batch) the layout cannot split (the CLI calls this before any process
+        starts)."""
         config = getattr(module, "config", None)
         check_tensor_parallel(self.tensor_parallel, config)
         if self.pipeline_parallel > 1:
             num_stages = self.pipeline_parallel * self.virtual_stages
             check_stages(num_stages, getattr(config, "n_layer", 0), self.pipeline_split_points)
+            check_microbatches(getattr(datamodule, "batch_size", None), self.microbatches)
 
     def apply_model_parallel(self, module: pl.LightningModule) -> None:
         if self.tensor_parallel * self.pipeline_parallel == 1:

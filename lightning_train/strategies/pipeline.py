@@ -82,6 +82,16 @@ def check_stages(num_stages: int, n_layer: int, split_points: Sequence[int] | No
         )
 
 
+def check_microbatches(batch_size: int | None, microbatches: int) -> None:
+    """Refuse a per-device batch that does not split into ``microbatches`` equal microbatches."""
+    if batch_size is not None and batch_size % microbatches:
+        raise UserInputError(
+            f"a batch of {batch_size} sequences does not split into microbatches={microbatches}; use a "
+            f"per-device batch_size divisible by {microbatches}, or set the strategy's microbatches to a "
+            "divisor of it"
+        )
+
+
 def split_blocks(model: nn.Module, num_stages: int, split_points: Sequence[int] | None = None) -> list[range]:
     """The blocks of each stage: contiguous ranges cut at ``split_points`` (the first block of stages 2, 3,
     ...), or else the split whose largest stage holds the fewest parameters (the first stage counts the
@@ -200,14 +210,6 @@ class Pipeline:
         self._losses.append(loss.detach())
         return self._scale(loss / accumulation)
 
-    def _check_batch(self, input_ids: Tensor) -> None:
-        if input_ids.shape[0] % self.microbatches:
-            raise UserInputError(
-                f"a batch of {input_ids.shape[0]} sequences does not split into microbatches="
-                f"{self.microbatches}; use a per-device batch_size divisible by {self.microbatches}, or set "
-                "the strategy's microbatches to a divisor of it"
-            )
-
     def train_step(
         self,
         input_ids: Tensor,
@@ -222,7 +224,7 @@ class Pipeline:
         first if ``zero_grads``: the first batch of an optimizer step). ``scale`` is applied to each
         microbatch's loss before its backward (a GradScaler's). Returns the batch's loss, detached, on
         every stage."""
-        self._check_batch(input_ids)
+        check_microbatches(input_ids.shape[0], self.microbatches)
         if zero_grads:
             for module in self.stage_modules:
                 module.zero_grad(set_to_none=True)

@@ -1,0 +1,146 @@
+"""Pipeline bubble: step time of pp=2 with 1F1B at 2, 4 and 8 microbatches against one process.
+
+Two gloo ranks on CPU (one thread each) run ``lightning_train.strategies.pipeline.Pipeline`` (the
+schedule ``ParallelStrategy(pipeline_parallel=2)`` runs inside Lightning's step) over one global batch:
+forward and backward of every microbatch, the tied embedding's gradients summed. The reference is the
+same model and batch in one process with one thread. With perfectly balanced stages and free
+communication a step takes ``T1 / p`` busy time, and the schedule leaves each rank idle for
+``(p - 1) / (m + p - 1)`` of the step (the bubble), so the measured bubble is ``1 - (T1 / p) / Tpp``.
+Measured and ideal are paired in one run; what is left over beyond the ideal bubble is communication,
+the imbalance of the stages (embedding on the first, head and loss on the last) and the per-microbatch
+overhead of smaller matmuls.
+
+    python benchmarks/pipeline_bubble.py            # writes docs/benchmarks/pipeline_bubble.json
+    python benchmarks/pipeline_bubble.py --smoke    # seconds: a tiny model, one repeat
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import statistics
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from common import base_parser, machine_info, print_table, set_threads, write_json
+
+from lightning_train.models.gpt import GPT, GPTConfig
+from lightning_train.strategies.pipeline import Pipeline, split_blocks, stage_model
+
+SIZES = {  # model, global batch, sequence length, timed steps, warmup steps
+    "full": ({"n_layer": 4, "n_embd": 256, "n_head": 4, "vocab_size": 320, "block_size": 128}, 16, 128, 8, 2),
+    "smoke": ({"n_layer": 2, "n_embd": 32, "n_head": 2, "vocab_size": 64, "block_size": 16}, 8, 16, 2, 1),
+}
+MICROBATCHES = (2, 4, 8)
+STAGES = 2
+
+
+def _loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+
+
+def _batch(config: GPTConfig, batch: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, config.vocab_size, (batch, seq_len + 1), generator=generator)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def one_process_step_seconds(size: str) -> list[float]:
+    """Seconds per forward + backward of the whole batch in this process."""
+    model_kwargs, batch, seq_len, steps, warmup = SIZES[size]
+    torch.manual_seed(0)
+    config = GPTConfig(**model_kwargs)
+    model, (input_ids, labels) = GPT(config), _batch(config, batch, seq_len)
+    seconds = []
+    for step in range(warmup + steps):
+        start = time.perf_counter()
+        model.zero_grad(set_to_none=True)
+        _loss(model(input_ids), labels).backward()
+        if step >= warmup:
+            seconds.append(time.perf_counter() - start)
+    return seconds
+
+
+def _pipeline_rank(rank: int, size: str, microbatches: int, port: int, results: Any) -> None:
+    set_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=STAGES, init_method=f"tcp://127.0.0.1:{port}")
+    try:
+        model_kwargs, batch, seq_len, steps, warmup = SIZES[size]
+        torch.manual_seed(0)
+        config = GPTConfig(**model_kwargs)
+        model = GPT(config)
+        stage = stage_model(model, split_blocks(model, STAGES)[rank], rank == 0, rank == STAGES - 1)
+        world = dist.group.WORLD
+        pipeline = Pipeline([stage], [rank], STAGES, "1F1B", microbatches, world, world, torch.device("cpu"))
+        input_ids, labels = _batch(config, batch, seq_len)
+        seconds = []
+        for step in range(warmup + steps):
+            start = time.perf_counter()
+            pipeline.train_step(input_ids, labels, _loss)
+            pipeline.sum_tied_grads(stage)
+            if step >= warmup:
+                seconds.append(time.perf_counter() - start)
+        if rank == 0:
+            results.put(seconds)
+    finally:
+        dist.destroy_process_group()
+
+
+def pipeline_step_seconds(size: str, microbatches: int) -> list[float]:
+    """Seconds per pipelined step (rank 0's clock; every step ends with a broadcast from the last stage)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    context = mp.get_context("spawn")
+    results = context.SimpleQueue()
+    mp.start_processes(_pipeline_rank, args=(size, microbatches, port, results), nprocs=STAGES,
+                       start_method="spawn")
+    return results.get()
+
+
+def main() -> None:
+    parser = base_parser("pipeline_bubble", __doc__.split("\n")[0], pairs=3)
+    args = parser.parse_args()
+    size = "smoke" if args.smoke else "full"
+    pairs = 1 if args.smoke else args.pairs
+    set_threads(1)  # each rank has one thread; so has the one-process reference
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    rows, results = [], {}
+    for microbatches in MICROBATCHES:
+        measured = []
+        for _ in range(pairs):  # the reference right beside each pipelined run: the same machine load
+            one = statistics.median(one_process_step_seconds(size))
+            pp = statistics.median(pipeline_step_seconds(size, microbatches))
+            measured.append((one, pp))
+        bubbles = [1 - (one / STAGES) / pp for one, pp in measured]
+        ideal = (STAGES - 1) / (microbatches + STAGES - 1)
+        results[str(microbatches)] = {
+            "one_process_step_s": [one for one, _ in measured],
+            "pipeline_step_s": [pp for _, pp in measured],
+            "speedup": statistics.median(one / pp for one, pp in measured),
+            "bubble_measured": statistics.median(bubbles),
+            "bubble_ideal": ideal,
+        }
+        r = results[str(microbatches)]
+        rows.append([microbatches, f"{statistics.median(o for o, _ in measured) * 1e3:.0f}",
+                     f"{statistics.median(p for _, p in measured) * 1e3:.0f}", f"{r['speedup']:.2f}x",
+                     f"{r['bubble_measured']:.2f}", f"{ideal:.2f}"])
+    table = print_table(
+        ["microbatches", "1 process ms/step", "pp=2 ms/step", "speed-up", "bubble measured", "bubble ideal"],
+        rows,
+    )
+    model_kwargs, batch, seq_len, steps, warmup = SIZES[size]
+    write_json(args.out, {
+        "benchmark": "pipeline_bubble", "size": size, "pairs": pairs, "stages": STAGES, "schedule": "1F1B",
+        "setup": {"model": model_kwargs, "global_batch": batch, "seq_len": seq_len, "steps": steps,
+                  "warmup_steps": warmup},
+        "results": results, "table": table, "machine": machine_info(1),
+    })
+
+
+if __name__ == "__main__":
+    main()
