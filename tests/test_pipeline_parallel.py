@@ -39,7 +39,9 @@ def _config(folder: Path) -> str:
         },
         "data": {
             "class_path": "lightning_train.TextDataModule",
-            "init_args": {"seq_len": 16, "batch_size": GLOBAL_BATCH},
+            # val_batches null: the whole val split, in order (limit_val_batches takes its start), the same
+            # windows whatever the per-device batch size
+            "init_args": {"seq_len": 16, "batch_size": GLOBAL_BATCH, "val_batches": None},
         },
     }
     path = folder / "pp.yaml"

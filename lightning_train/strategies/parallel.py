@@ -109,21 +109,11 @@ class ParallelStrategy(DataParallelStrategy):
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
-        if tensor_parallel < 1:
-            raise UserInputError(f"tensor_parallel={tensor_parallel}: use an int >= 1")
-        check_pipeline(
-            pipeline_parallel, pipeline_schedule, microbatches, virtual_stages, pipeline_split_points
-        )
-        model_parallel = tensor_parallel * pipeline_parallel > 1
-        if model_parallel and self.sharding == "ddp":
-            raise UserInputError(
-                f"sharding='ddp' does not combine with tensor_parallel={tensor_parallel} x "
-                f"pipeline_parallel={pipeline_parallel} yet; use sharding='fsdp' (or 'auto')"
-            )
-        if model_parallel:
+        self.refused_ddp = tensor_parallel * pipeline_parallel > 1 and self.sharding == "ddp"
+        if tensor_parallel * pipeline_parallel > 1:
             self.sharding = "fsdp"
         self.tensor_parallel, self.pipeline_parallel = tensor_parallel, pipeline_parallel
-        self.microbatches = microbatches or 2 * pipeline_parallel * virtual_stages
+        self.microbatches = 2 * pipeline_parallel * virtual_stages if microbatches is None else microbatches
         self.pipeline_schedule, self.virtual_stages = pipeline_schedule, virtual_stages
         self.pipeline_split_points = None if pipeline_split_points is None else list(pipeline_split_points)
         self.pipeline: Pipeline | None = None  # built in setup when pipeline_parallel > 1
@@ -132,6 +122,16 @@ class ParallelStrategy(DataParallelStrategy):
 
     # ---- the mesh -------------------------------------------------------------------------------------
     def _configure_launcher(self) -> None:
+        # here, not in __init__: the CLI's parser would turn an error there into its own generic message
+        if self.refused_ddp:
+            raise UserInputError(
+                f"sharding='ddp' does not combine with tensor_parallel={self.tensor_parallel} x "
+                f"pipeline_parallel={self.pipeline_parallel} yet; use sharding='fsdp' (or 'auto')"
+            )
+        check_pipeline(
+            self.pipeline_parallel, self.pipeline_schedule, self.microbatches, self.virtual_stages,
+            self.pipeline_split_points,
+        )
         check_layout(
             self.tensor_parallel, self.replicate_size, self.num_nodes, self.num_processes,
             self.pipeline_parallel,

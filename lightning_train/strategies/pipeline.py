@@ -95,7 +95,20 @@ def check_microbatches(batch_size: int | None, microbatches: int) -> None:
 def split_blocks(model: nn.Module, num_stages: int, split_points: Sequence[int] | None = None) -> list[range]:
     """The blocks of each stage: contiguous ranges cut at ``split_points`` (the first block of stages 2, 3,
     ...), or else the split whose largest stage holds the fewest parameters (the first stage counts the
-    embeddings, the last the final norm and head; a tied head counts again: the last stage computes it)."""
+    embeddings, the last the final norm and head; a tied head counts again: the last stage computes it).
+
+        >>> import torch
+        >>> from lightning_train.models.gpt import GPT, GPTConfig
+        >>> from lightning_train.strategies.pipeline import split_blocks, stage_model
+        >>> model = GPT(GPTConfig(vocab_size=320, n_layer=4, n_head=2, n_embd=32))
+        >>> split_blocks(model, 2), split_blocks(model, 2, split_points=[1])
+        ([range(0, 2), range(2, 4)], [range(0, 1), range(1, 4)])
+        >>> last = stage_model(model, range(2, 4), first=False, last=True)
+        >>> [name for name, _ in last.named_parameters()][1]  # the whole model's names
+        'blocks.2.attn_norm.weight'
+        >>> last(torch.randn(1, 8, 32)).shape  # hidden states of the stage before -> logits
+        torch.Size([1, 8, 320])
+    """
     n_layer = len(model.blocks)
     check_stages(num_stages, n_layer, split_points)
     if split_points is not None:
