@@ -12,7 +12,7 @@ batch's tokens per step time; MFU = tokens/s x ``GPT.flops_per_token`` / (tp x t
 peak, ``gpu.peak_flops``). Not timed: gradient clipping (Lightning's is not DTensor-aware) and
 ``torch.compile``.
 
-    python benchmarks/model_parallel_gpu.py                       # every tp the GPUs allow, ~2 min each
+    python benchmarks/model_parallel_gpu.py                       # every tp the GPUs allow
     python benchmarks/model_parallel_gpu.py --tp 1,8 --layers 8   # chosen sizes
     python benchmarks/model_parallel_gpu.py --dry-run --gpus 8    # on CPU: the plan, per-rank bytes
 
@@ -74,12 +74,12 @@ def tp_sizes(gpus: int, config: GPTConfig, given: str | None) -> list[int]:
 
 def worker(args: argparse.Namespace) -> None:
     """One rank of one tp size (under torchrun); rank 0 writes ``args.result``."""
-    dist.init_process_group("gloo" if args.dry_run else "nccl")
-    rank, tp = dist.get_rank(), dist.get_world_size()
     device = torch.device("meta") if args.dry_run else torch.device("cuda", int(os.environ["LOCAL_RANK"]))
-    if device.type == "cuda":
+    if device.type == "cuda":  # before NCCL starts, so it binds each rank to its own GPU
         torch.cuda.set_device(device)
         torch.set_float32_matmul_precision("high")
+    dist.init_process_group("gloo" if args.dry_run else "nccl")
+    rank, tp = dist.get_rank(), dist.get_world_size()
     mesh = init_device_mesh("cpu" if args.dry_run else "cuda", (tp,), mesh_dim_names=("tp",))
     config = llama3_stack(args.layers, args.seq_len)
     torch.manual_seed(0)  # the same weights on every rank before they are sharded
@@ -115,13 +115,13 @@ def train(
         if step == args.warmup:
             synchronize(device)
             start = clock()
+        optimizer.zero_grad(set_to_none=True)  # here, not after the step: the last gradients get counted
         with torch.autocast("cuda", dtype=torch.bfloat16):
             logits = model(tokens[step, :, :-1])
         loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[step, :, 1:].flatten())
         loss.backward()
         reduce_partial_grads(model)  # the sequence-parallel norms' gradients, as ParallelStrategy does
         optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
     synchronize(device)
     seconds = per_step(start, clock(), args.steps)["wall"]
     return {"seconds_per_step": seconds, "tokens_per_second": args.batch_size * args.seq_len / seconds,
