@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from lightning_train.models.gpt import GPT, GPTConfig
 from tests.conftest import REPO, cli_env
 
 
@@ -102,3 +103,66 @@ def test_goodput_overhead_smoke(tmp_path: Path) -> None:
     for clock in ("cpu", "wall"):
         check_comparison(payload["results"][clock], pairs=1)
     assert payload["hooks_cpu_us_per_step"]["median"] > 0
+
+
+@pytest.mark.slow  # three 1- and 2-rank launches
+def test_model_parallel_smoke(tmp_path: Path) -> None:
+    payload = run_smoke("model_parallel.py", tmp_path / "model_parallel.json")
+    assert payload["benchmark"] == "model_parallel" and payload["smoke"] is True
+    assert payload["setup"]["ranks"] == {"single": 1, "fsdp": 2, "tp": 2}
+    assert payload["setup"]["per_rank_batch"] == {"single": 2, "fsdp": 1, "tp": 2}  # one global batch
+    state, activations = payload["memory"]["model_state_bytes"], payload["memory"]["activation_bytes"]
+    assert 0.5 <= state["tp_over_single"] <= 0.55
+    assert state["fsdp_over_single"] == pytest.approx(0.5, abs=1e-3)
+    assert payload["goal_met"]["model_state_bytes"] is True
+    # fsdp's ranks each run half the batch; tp's run all of it, split by heads, width and sequence
+    assert activations["fsdp"] < activations["tp"] < activations["single"]
+    tp_ranks = payload["per_rank"]["tp"]
+    assert tp_ranks[0]["activation_bytes"] == tp_ranks[1]["activation_bytes"]
+    # sequence parallelism: each tp rank normalises half of the positions
+    norms = {layout: parts["norms"] for layout, parts in payload["activation_bytes_by_part"].items()}
+    assert 2 * norms["tp"] == norms["single"]
+
+
+def run_gpu_plan(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "model_parallel_gpu.py"), *args],
+        cwd=REPO, env=cli_env(), capture_output=True, text=True, timeout=timeout,
+    )
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ([], "error: no CUDA device here: benchmarks/model_parallel_gpu.py trains on GPUs"),
+        (["--dry-run", "--gpus", "4", "--tp", "3"],
+         "error: tensor_parallel=3 does not divide the model's heads (n_head=32, n_kv_head=8)"),
+        (["--dry-run", "--gpus", "2", "--tp", "1,4"], "error: --tp 4 needs 4 GPUs, there are 2"),
+    ],
+)
+def test_model_parallel_gpu_refuses_with_one_line(tmp_path: Path, args: list[str], message: str) -> None:
+    if not args and torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    done = run_gpu_plan(*args, "--out", str(tmp_path / "gpu.json"))
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert done.stderr.strip().splitlines() == [done.stderr.strip()] and done.stderr.startswith(message)
+    assert not (tmp_path / "gpu.json").exists()
+
+
+@pytest.mark.slow  # torchrun and 2 ranks
+def test_model_parallel_gpu_dry_run_shards_the_llama3_stack(tmp_path: Path) -> None:
+    """torchrun, 2 gloo ranks, the Llama-3-8B-shaped stack on the meta device: each rank holds half of
+    every weight but the (replicated, sequence-parallel) norms."""
+    out = tmp_path / "plan.json"
+    done = run_gpu_plan("--dry-run", "--gpus", "2", "--tp", "2", "--layers", "2", "--out", str(out))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "| 2 |" in done.stdout
+    [result] = json.loads(out.read_text())["results"]
+    config = GPTConfig(vocab_size=128256, block_size=4096, n_layer=2, n_head=32, n_kv_head=8, n_embd=4096,
+                       intermediate_size=14336, rope_theta=500000.0, tie_embeddings=False)
+    with torch.device("meta"):
+        model = GPT(config)
+    params, norms = model.num_params(), (2 * config.n_layer + 1) * config.n_embd
+    assert result["num_params"] == params
+    assert result["param_bytes"] == 4 * ((params - norms) // 2 + norms)
+    assert result["flops_per_token"] == model.flops_per_token(4096)  # the whole model's, for MFU
