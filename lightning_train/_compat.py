@@ -102,6 +102,12 @@ def foreach_sub_(tensors: Sequence[torch.Tensor], others: Sequence[torch.Tensor]
     torch._foreach_sub_(tensors, others)
 
 
+def is_compiled(module: nn.Module) -> bool:
+    """Whether ``module.compile()`` was called (``nn.Module._compiled_call_impl``, torch 2.2-2.13; no
+    public accessor)."""
+    return getattr(module, "_compiled_call_impl", None) is not None
+
+
 # ---- torch.distributed -------------------------------------------------------------------------------------
 def checkpoint_activations(module: nn.Module) -> None:
     """Recompute ``module``'s activations in backward, keeping its parameter names (torch's composable

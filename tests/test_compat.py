@@ -113,6 +113,13 @@ def process_group():
     dist.destroy_process_group()
 
 
+def test_is_compiled():
+    module = nn.Linear(2, 2)
+    assert not _compat.is_compiled(module)
+    module.compile()
+    assert _compat.is_compiled(module)
+
+
 def test_checkpoint_activations():
     torch.manual_seed(0)
     plain = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))

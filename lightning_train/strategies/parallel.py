@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from lightning_train._compat import is_compiled
 from lightning_train.errors import UserInputError
 from lightning_train.strategies.data_parallel import DataParallelStrategy
 from lightning_train.strategies.parallelize import find_transformer
@@ -205,6 +206,9 @@ class ParallelStrategy(DataParallelStrategy):
         self._stage_views = [
             stage_model(model, splits[i], i == 0, i == num_stages - 1) for i in self._stage_ids
         ]
+        if is_compiled(model):  # a stage is a new module: compile it as the whole model was
+            for view in self._stage_views:
+                view.compile()
         held = self._stage_views[0]
         if self.virtual_stages > 1:  # the module holds all of this rank's stages (state dict, optimizer)
             owned = [index for i in self._stage_ids for index in splits[i]]
