@@ -89,6 +89,10 @@ def test_tensor_parallel_matches_one_process(tmp_path):
             ["--model.init_args.config.n_head=2", "--model.init_args.config.n_kv_head=1"],
             "tensor_parallel=2 does not divide the model's heads (n_head=2, n_kv_head=1)",
         ),
+        (
+            ["--trainer.strategy.replicate_size=2"],
+            "replicate_size=2 does not divide the data-parallel size 1 (world size 2 / tensor_parallel=2)",
+        ),
     ],
 )
 def test_bad_layout_is_one_line_exit_2(tmp_path, args, message):

@@ -1,4 +1,5 @@
-"""Helpers shared by the callbacks: sending metrics to the loggers, "is this a logging step", local shards."""
+"""Helpers shared by the callbacks: sending metrics to the loggers, "is this a logging step", local shards,
+how many ranks read different batches."""
 
 from __future__ import annotations
 
@@ -31,3 +32,10 @@ def is_logging_step(trainer: L.Trainer, every: int | None = None, *, before_step
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's part of ``tensor``: the local shard of a DTensor (FSDP2), else the tensor itself."""
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def data_parallel_size(trainer: L.Trainer) -> int:
+    """How many ranks read different batches: the strategy's sampler replicas (the ranks of one
+    tensor-parallel group share a batch), else the world size."""
+    kwargs = trainer.distributed_sampler_kwargs
+    return int(kwargs["num_replicas"]) if kwargs and "num_replicas" in kwargs else trainer.world_size

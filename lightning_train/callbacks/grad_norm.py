@@ -298,11 +298,15 @@ class GradNormMonitor(Callback):
 
 def _shard_groups(param: nn.Parameter) -> tuple[dist.ProcessGroup, ...]:
     """Process groups over which a DTensor is sharded (its shards' sums must be added); replicated
-    mesh dimensions hold copies and are left out (HSDP, tensor parallel + FSDP)."""
+    mesh dimensions hold copies and are left out (HSDP, tensor parallel + FSDP). Not ``is_shard()``:
+    FSDP2 over a tensor-parallel dim-0 shard places a strided shard, for which it is False."""
     if not isinstance(param, DTensor):
         return ()
     mesh = param.device_mesh
-    return tuple(mesh.get_group(dim) for dim, placed in enumerate(param.placements) if placed.is_shard())
+    return tuple(
+        mesh.get_group(dim) for dim, placed in enumerate(param.placements)
+        if not (placed.is_replicate() or placed.is_partial())
+    )
 
 
 def _clips_by_norm(trainer: L.Trainer) -> bool:

@@ -21,7 +21,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
 
-from lightning_train.callbacks._common import is_logging_step, log_metrics
+from lightning_train.callbacks._common import data_parallel_size, is_logging_step, log_metrics
 from lightning_train.errors import UserInputError
 
 # Dense (no sparsity) peak FLOP/s per GPU from the vendors' datasheets, by compute dtype ("tf32": fp32
@@ -45,10 +45,12 @@ class ThroughputMonitor(Callback):
     Counted: everything between two logging steps (data loading, forward, backward, optimizer,
     logging, checkpointing) except validation, whose time is subtracted. Tokens are the number of
     positions in the batch (``batch[token_key].numel()``, padding included, as the model computes
-    on them) times the world size, i.e. every rank is assumed to get batches of the same shape.
+    on them) times the data-parallel size (the world size, less the ranks of a tensor-parallel group,
+    which share one batch), i.e. every data-parallel rank is assumed to get batches of the same shape.
 
     MFU is model FLOPs (``flops_per_token(seq_len)`` of the LightningModule or its ``.model``, e.g.
-    ``GPT``: 6 per weight plus attention) per second over the peak of all devices: ``peak_flops``
+    ``GPT``: 6 per weight plus attention) per second over the peak of all devices (tensor-parallel
+    ranks included, which share each token's FLOPs): ``peak_flops``
     per device if given, else the GPU's datasheet value in the Trainer's precision (Lightning's
     ``get_available_flops``, plus ``ADDED_PEAK_FLOPS`` for the GPUs it lacks). It is not
     logged when either is unknown (e.g. on CPU without ``peak_flops``). Nothing is checkpointed: after
@@ -100,6 +102,7 @@ class ThroughputMonitor(Callback):
         self._validation_start: float | None = None
         self._tokens = 0
         self._flops = 0.0
+        self._data_parallel = 1  # ranks that read different batches (set at train start)
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         model = getattr(pl_module, "model", None)
@@ -108,15 +111,17 @@ class ThroughputMonitor(Callback):
         self._flops_per_token = functools.cache(flops_fn) if callable(flops_fn) else None
         peak = self.peak_flops or _device_peak_flops(trainer.strategy.root_device, str(trainer.precision))
         self._total_peak = peak * trainer.world_size if peak else None
+        self._data_parallel = data_parallel_size(trainer)
         self._restart_interval(trainer)
 
     def on_train_batch_start(
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         tokens = self._token_ids(batch)
-        self._tokens += tokens.numel() * trainer.world_size  # shapes live on the host: no device read
+        count = tokens.numel() * self._data_parallel  # shapes live on the host: no device read
+        self._tokens += count
         if self._flops_per_token is not None:
-            self._flops += tokens.numel() * trainer.world_size * self._flops_per_token(tokens.shape[-1])
+            self._flops += count * self._flops_per_token(tokens.shape[-1])
 
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int

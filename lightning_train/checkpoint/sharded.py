@@ -122,12 +122,15 @@ def checkpoint_tensor_shapes(path: str | Path, section: str = "state_dict") -> d
 
 
 def check_compatible(
-    path: str | Path, expected: dict[str, tuple[int, ...]], strict: bool = True
+    path: str | Path, expected: dict[str, tuple[int, ...]], strict: bool = True,
+    saved: dict[str, tuple[int, ...]] | None = None,
 ) -> dict[str, tuple[int, ...]]:
     """Raise one UserInputError naming every missing, unexpected and mis-shaped tensor between the
     checkpoint's LightningModule state and ``expected`` (name -> global shape); ``strict=False`` only
-    checks shapes. Returns the checkpoint's shapes."""
-    saved = checkpoint_tensor_shapes(path)
+    checks shapes. ``saved``: the checkpoint's shapes when known (a single file), else read from the
+    folder ``path``. Returns the checkpoint's shapes."""
+    kind = "checkpoint" if saved is not None else "sharded checkpoint"
+    saved = checkpoint_tensor_shapes(path) if saved is None else saved
     problems = [
         f"{key}: checkpoint {saved[key]} vs model {tuple(shape)}"
         for key, shape in expected.items()
@@ -139,7 +142,7 @@ def check_compatible(
     if problems:
         listed = "; ".join(problems[:8]) + (f"; and {len(problems) - 8} more" if len(problems) > 8 else "")
         raise UserInputError(
-            f"the sharded checkpoint {path} does not fit this model ({listed}); resume with the model "
+            f"the {kind} {path} does not fit this model ({listed}); resume with the model "
             "config the checkpoint was trained with, or start a new run"
         )
     return saved
@@ -272,6 +275,66 @@ def load_sharded_checkpoint(
         _load(optimizer_state, path)
         set_optimizer_state_dict(module, optimizer, optimizer_state[f"optimizer_{index}"])
     return read_metadata(path, weights_only)
+
+
+def load_full_checkpoint(
+    checkpoint: dict[str, Any],
+    path: Path,
+    module: nn.Module,
+    optimizers: Sequence[torch.optim.Optimizer],
+    strict: bool,
+) -> None:
+    """Load the model and optimizer states of a single-file checkpoint (whole tensors, as one process or
+    ddp writes it; already read into ``checkpoint`` on every rank) into a sharded ``module`` (FSDP2,
+    tensor parallel or both) and ``optimizers``: each rank keeps its own shards of every tensor."""
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    state = checkpoint["state_dict"]
+    expected = {key: tuple(value.shape) for key, value in get_model_state_dict(module).items()}
+    saved = {key: tuple(value.shape) for key, value in state.items() if isinstance(value, torch.Tensor)}
+    check_compatible(path, expected, strict=strict, saved=saved)
+    options = _options(full_state_dict=True, strict=strict)
+    set_model_state_dict(module, dict(state), options=options)  # a copy: the loader pops from it
+    saved_optimizers = checkpoint.get("optimizer_states", [])
+    for optimizer, optimizer_state in zip(optimizers, saved_optimizers, strict=True):
+        keyed = optimizer_state_by_name(optimizer_state, module, optimizer)
+        set_optimizer_state_dict(module, optimizer, keyed, options=options)
+
+
+def optimizer_state_by_name(
+    state: dict[str, Any], module: nn.Module, optimizer: torch.optim.Optimizer
+) -> dict[str, Any]:
+    """``optimizer.state_dict()`` as a checkpoint file holds it (parameters numbered in the order of the
+    optimizer's groups) keyed by parameter name, the form ``set_optimizer_state_dict`` loads.
+
+        >>> import torch
+        >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2))
+        >>> optimizer = torch.optim.AdamW(model.parameters())
+        >>> model(torch.ones(1, 2)).sum().backward(); optimizer.step()
+        >>> keyed = optimizer_state_by_name(optimizer.state_dict(), model, optimizer)
+        >>> sorted(keyed["state"]), keyed["param_groups"][0]["params"]
+        (['0.bias', '0.weight'], ['0.weight', '0.bias'])
+    """
+    name_of = {id(param): name for name, param in module.named_parameters()}
+    names = [name_of[id(param)] for group in optimizer.param_groups for param in group["params"]]
+    numbered = [index for group in state["param_groups"] for index in group["params"]]
+    if len(numbered) != len(names):
+        raise UserInputError(
+            f"the checkpoint's optimizer state covers {len(numbered)} parameters, this model's optimizer "
+            f"{len(names)}; resume with the model and optimizer settings the checkpoint was trained with"
+        )
+    name_by_index = dict(zip(numbered, names, strict=True))
+    return {
+        "state": {name_by_index[index]: value for index, value in state["state"].items()},
+        "param_groups": [
+            {**group, "params": [name_by_index[index] for index in group["params"]]}
+            for group in state["param_groups"]
+        ],
+    }
 
 
 def _options(**kwargs: Any) -> Any:

@@ -41,6 +41,7 @@ from lightning_train._compat import (
 )
 from lightning_train.checkpoint.sharded import (
     is_sharded_checkpoint,
+    load_full_checkpoint,
     load_sharded_checkpoint,
     save_sharded_checkpoint,
 )
@@ -328,11 +329,10 @@ class DataParallelStrategy(ModelParallelStrategy):
         path = Path(self.broadcast(str(checkpoint_path)))
         if is_sharded_checkpoint(path):
             metadata = self.load_sharded_checkpoint(path, weights_only)
-        elif self.sharding == "fsdp":
-            raise UserInputError(
-                f"{path} is a single-file checkpoint (written with sharding='ddp'); resume it with "
-                "sharding='ddp', since sharding='fsdp' resumes from sharded checkpoint folders"
-            )
+        elif self.sharding == "fsdp":  # a single file (one process, ddp) into sharded parameters
+            metadata = Strategy.load_checkpoint(self, path, weights_only)
+            module = self.lightning_module
+            load_full_checkpoint(metadata, path, module, self.optimizers, strict=module.strict_loading)
         else:
             return Strategy.load_checkpoint(self, path, weights_only)
         self._restored_by_strategy = True
