@@ -2,7 +2,7 @@
 
 Two gloo ranks on CPU (one thread each) run ``lightning_train.strategies.pipeline.Pipeline`` (the
 schedule ``ParallelStrategy(pipeline_parallel=2)`` runs inside Lightning's step) over one global batch:
-forward and backward of every microbatch, the tied embedding's gradients summed. The reference is the
+forward and backward of every microbatch, the tied embedding's gradients summed (as in training). The reference is the
 same model and batch in one process with one thread. With perfectly balanced stages and free
 communication a step takes ``T1 / p`` busy time, and the schedule leaves each rank idle for
 ``(p - 1) / (m + p - 1)`` of the step (the bubble), so the measured bubble is ``1 - (T1 / p) / Tpp``.
@@ -81,7 +81,6 @@ def _pipeline_rank(rank: int, size: str, microbatches: int, port: int, results: 
         for step in range(warmup + steps):
             start = time.perf_counter()
             pipeline.train_step(input_ids, labels, _loss)
-            pipeline.sum_tied_grads(stage)
             if step >= warmup:
                 seconds.append(time.perf_counter() - start)
         if rank == 0:
@@ -135,7 +134,8 @@ def main() -> None:
     )
     model_kwargs, batch, seq_len, steps, warmup = SIZES[size]
     write_json(args.out, {
-        "benchmark": "pipeline_bubble", "size": size, "pairs": pairs, "stages": STAGES, "schedule": "1F1B",
+        "benchmark": "pipeline_bubble", "smoke": args.smoke, "pairs": pairs,
+        "stages": STAGES, "schedule": "1F1B",
         "setup": {"model": model_kwargs, "global_batch": batch, "seq_len": seq_len, "steps": steps,
                   "warmup_steps": warmup},
         "results": results, "table": table, "machine": machine_info(1),

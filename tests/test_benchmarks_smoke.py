@@ -105,6 +105,19 @@ def test_goodput_overhead_smoke(tmp_path: Path) -> None:
     assert payload["hooks_cpu_us_per_step"]["median"] > 0
 
 
+@pytest.mark.slow  # six 1- and 2-rank launches
+def test_pipeline_bubble_smoke(tmp_path: Path) -> None:
+    payload = run_smoke("pipeline_bubble.py", tmp_path / "pipeline_bubble.json")
+    assert payload["benchmark"] == "pipeline_bubble" and payload["smoke"] is True
+    results = payload["results"]
+    assert list(results) == ["2", "4", "8"]
+    for microbatches, result in results.items():
+        [one], [pp] = result["one_process_step_s"], result["pipeline_step_s"]  # --smoke: one pair
+        assert one > 0 and pp > 0
+        assert result["bubble_ideal"] == pytest.approx(1 / (int(microbatches) + 1))  # (p-1)/(m+p-1), p=2
+        assert result["bubble_measured"] == pytest.approx(1 - (one / 2) / pp)
+
+
 @pytest.mark.slow  # three 1- and 2-rank launches
 def test_model_parallel_smoke(tmp_path: Path) -> None:
     payload = run_smoke("model_parallel.py", tmp_path / "model_parallel.json")

@@ -119,21 +119,45 @@ def test_pipeline_layouts_match_one_process(tmp_path, single, layout):
         torch.testing.assert_close(weight, expected[name], rtol=1e-5, atol=1e-6)
 
 
-def test_pipeline_checkpoint_resumes_under_tensor_parallelism_exactly(tmp_path, single):
-    """A pp=2 checkpoint at step 10 resumes on tp=2 and trains steps 10..14 with the losses of an
-    uninterrupted one-process run."""
+def test_pipeline_under_amp_accumulation_and_activation_checkpointing(tmp_path):
+    """fp16 with AmpPrecision's loss scale (each microbatch's loss scaled before its backward), 2
+    accumulated batches a step (the tied embedding's copies summed once a step), activation checkpointing
+    and NaNRecovery under pp=2: the one-process losses and norms, to fp16's rounding."""
     config = _config(tmp_path)
-    pp = "--trainer.strategy.pipeline_parallel=2"
-    _fit(tmp_path, "pp", "--config", config, "--trainer.devices=2", PARALLEL, pp)
-    _fit(tmp_path, "long", "--config", config, "--trainer.devices=1", "--trainer.max_steps=15")
-    _fit(
-        tmp_path, "tp", "--config", config, "--trainer.devices=2", PARALLEL,
-        "--trainer.strategy.tensor_parallel=2", "--trainer.max_steps=15",
-        f"--ckpt_path={tmp_path / 'pp' / 'checkpoints' / 'last.ckpt'}",
+    shared = ["--config", config, "--trainer.precision=16-mixed", "--trainer.accumulate_grad_batches=2",
+              "--trainer.callbacks+=lightning_train.callbacks.NaNRecovery"]
+    [reference], _ = _fit(tmp_path, "one", *shared, "--trainer.devices=1")
+    reports, _ = _fit(
+        tmp_path, "pp", *shared, "--trainer.devices=2", PARALLEL, "--trainer.strategy.pipeline_parallel=2",
+        "--trainer.strategy.activation_checkpointing=true",
     )
-    resumed = _logged(tmp_path / "tp", "train/loss")
-    assert len(resumed) == 5
-    assert resumed == pytest.approx(_logged(tmp_path / "long", "train/loss")[10:], rel=1e-5)
+    for report in reports:
+        torch.testing.assert_close(report["losses"], reference["losses"], rtol=1e-4, atol=0)
+        torch.testing.assert_close(report["grad_norms"], reference["grad_norms"], rtol=1e-3, atol=0)
+
+
+def test_pipeline_checkpoints_move_between_layouts(tmp_path):
+    """A pp=2 checkpoint at step 10 resumes on tp=2 and in one process, and a one-process checkpoint
+    resumes under pp=2: each trains steps 10..14 with the losses of an uninterrupted one-process run."""
+    config = _config(tmp_path)
+    pp = [PARALLEL, "--trainer.strategy.pipeline_parallel=2"]
+    _fit(tmp_path, "pp", "--config", config, "--trainer.devices=2", *pp)
+    _fit(tmp_path, "one", "--config", config, "--trainer.devices=1")
+    _fit(tmp_path, "long", "--config", config, "--trainer.devices=1", "--trainer.max_steps=15")
+    expected = _logged(tmp_path / "long", "train/loss")[10:]
+    pp_checkpoint = f"--ckpt_path={tmp_path / 'pp' / 'checkpoints' / 'last.ckpt'}"
+    one_checkpoint = f"--ckpt_path={tmp_path / 'one' / 'checkpoints' / 'last.ckpt'}"
+    resumes = {
+        "pp_to_tp": ["--trainer.devices=2", PARALLEL, "--trainer.strategy.tensor_parallel=2", pp_checkpoint],
+        # a sharded folder in one process: lt_fsdp (the default strategy refuses it with one line naming it)
+        "pp_to_one": ["--trainer.devices=1", "--trainer.strategy=lt_fsdp", pp_checkpoint],
+        "one_to_pp": ["--trainer.devices=2", *pp, one_checkpoint],
+    }
+    for name, args in resumes.items():
+        _fit(tmp_path, name, "--config", config, "--trainer.max_steps=15", *args)
+        resumed = _logged(tmp_path / name, "train/loss")
+        assert len(resumed) == 5, name
+        assert resumed == pytest.approx(expected, rel=1e-5), name
 
 
 @pytest.mark.parametrize(

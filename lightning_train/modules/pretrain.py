@@ -207,7 +207,7 @@ class PretrainModule(L.LightningModule):
             accumulation = self.trainer.accumulate_grad_batches
             loss = pipeline.train_step(
                 batch["input_ids"], batch["labels"], self.compute_loss, accumulation, scale=self._scale_loss,
-                zero_grads=batch_idx % accumulation == 0,
+                starts_step=batch_idx % accumulation == 0, ends_step=self._ends_step(batch_idx),
             )
         self._log_train_loss(loss, batch["labels"], batch_idx)
         # A logged float is copied to the device each time: log it when it is written.
@@ -232,6 +232,12 @@ class PretrainModule(L.LightningModule):
             self.trainer.strategy.clip_grad_norm_(gradient_clip_val)
             return
         super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
+
+    def _ends_step(self, batch_idx: int) -> bool:
+        """Whether the optimizer steps after this batch (the last of ``accumulate_grad_batches``, or of the
+        epoch)."""
+        accumulate = self.trainer.accumulate_grad_batches
+        return (batch_idx + 1) % accumulate == 0 or batch_idx + 1 == self.trainer.num_training_batches
 
     def _pipeline(self) -> Any:
         """The strategy's pipeline schedule under pipeline parallelism (``ParallelStrategy``), else None."""
@@ -258,8 +264,7 @@ class PretrainModule(L.LightningModule):
         if batch_idx % accumulate and self._step_loss_sums is not None:  # a later micro-batch of the step
             sums = sums + self._step_loss_sums
         self._step_loss_sums = sums
-        steps_now = (batch_idx + 1) % accumulate == 0 or batch_idx + 1 == self.trainer.num_training_batches
-        if steps_now and is_logging_step(self.trainer, before_step=True):
+        if self._ends_step(batch_idx) and is_logging_step(self.trainer, before_step=True):
             sums = self.trainer.strategy.reduce(sums.clone(), reduce_op="sum")
         self.log("train/loss", sums[0] / sums[1])
 

@@ -278,8 +278,6 @@ class ParallelStrategy(DataParallelStrategy):
         # before on_before_optimizer_step: every callback sees whole gradients
         if self.tensor_parallel > 1:
             reduce_partial_grads(self.lightning_module)
-        if self.pipeline is not None:
-            self.pipeline.sum_tied_grads(find_transformer(self.lightning_module))
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:

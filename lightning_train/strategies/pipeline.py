@@ -194,9 +194,11 @@ class Pipeline:
         self.stage_modules, self.microbatches = list(stage_modules), microbatches
         self.group, self.tied_group = group, tied_group
         self.is_last = num_stages - 1 in stage_ids
-        model = stage_modules[-1]
-        # the last stage's copy of a tied embedding (the first stage's counts in norms)
-        self._tied_copy = model.embed.weight if tied_group is not None and 0 not in stage_ids else None
+        # this rank's copy of a tied embedding (the first stage's or the last's); the last's is left out of
+        # gradient norms
+        holder = next((m for m in stage_modules if m.embed is not None), None) if tied_group else None
+        self._tied = holder.embed.weight if holder is not None else None
+        self._tied_copy = self._tied if 0 not in stage_ids else None
         self.last_stage_rank = dist.get_global_rank(group, (num_stages - 1) % dist.get_world_size(group))
         self._stages = [
             PipelineStage(module, index, num_stages, device, group=group)
@@ -230,15 +232,17 @@ class Pipeline:
         loss_fn: LossFn,
         accumulation: int = 1,
         scale: Callable[[Tensor], Tensor] | None = None,
-        zero_grads: bool = True,
+        starts_step: bool = True,
+        ends_step: bool = True,
     ) -> Tensor:
         """Forward and backward of every microbatch; gradients accumulate in the stage parameters as one
-        process's would for ``loss_fn`` on the whole batch divided by ``accumulation`` (set to None
-        first if ``zero_grads``: the first batch of an optimizer step). ``scale`` is applied to each
-        microbatch's loss before its backward (a GradScaler's). Returns the batch's loss, detached, on
-        every stage."""
+        process's would for ``loss_fn`` on the whole batch divided by ``accumulation``. ``starts_step``
+        (the first batch of an optimizer step) sets the gradients to None first; ``ends_step`` (its last)
+        then sums a tied embedding's two copies' gradients, once for all the step's batches. ``scale`` is
+        applied to each microbatch's loss before its backward (a GradScaler's). Returns the batch's loss,
+        detached, on every stage."""
         check_microbatches(input_ids.shape[0], self.microbatches)
-        if zero_grads:
+        if starts_step:
             for module in self.stage_modules:
                 module.zero_grad(set_to_none=True)
         self._loss_fn, self._scale = loss_fn, scale or (lambda loss: loss)
@@ -247,6 +251,8 @@ class Pipeline:
         self._train_schedule.step(input_ids, target=labels)
         # the last n: the first step's shape inference calls the loss once more, before the microbatches
         loss = torch.stack(self._losses[-self.microbatches:]).sum() if self.is_last else None
+        if ends_step:
+            self._sum_tied_grads()
         return self._broadcast_from_last(loss, labels)
 
     def forward(self, input_ids: Tensor) -> Tensor | None:
@@ -280,10 +286,10 @@ class Pipeline:
         dist.all_reduce(total, group=self.group)
         return (total ** (1 / norm_type)).to(norm.dtype)
 
-    def sum_tied_grads(self, model: nn.Module) -> None:
+    def _sum_tied_grads(self) -> None:
         """Sum the gradients of the embedding the first and last stages share (their copies stay equal)."""
-        if self.tied_group is None:
+        grad = self._tied.grad if self._tied is not None else None
+        if self.tied_group is None or grad is None:  # None on both copies when the embedding is frozen
             return
-        grad = model.embed.weight.grad
         local = grad.to_local() if hasattr(grad, "to_local") else grad
         dist.all_reduce(local, group=self.tied_group)
