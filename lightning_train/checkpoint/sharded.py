@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import io
 import pickle
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -246,9 +246,12 @@ def load_sharded_checkpoint(
     is_verifier: bool,
     broadcast: Callable[[Any], Any],
     weights_only: bool = True,
+    whole_model: Mapping[str, tuple[int, ...]] | None = None,
 ) -> dict[str, Any]:
     """Load model and optimizer states from a sharded folder written at any world size (DCP re-shards
-    on load) into ``module`` (plain or FSDP2-sharded) and ``optimizers``; a collective. Returns the rest
+    on load) into ``module`` (plain or FSDP2-sharded) and ``optimizers``; a collective. ``whole_model``:
+    the names and shapes of the whole model's state when ``module`` holds a part of it (a pipeline
+    stage): the checkpoint is checked against the whole, and this rank reads its part. Returns the rest
     of the checkpoint (``meta.pt``) for Lightning to restore."""
     from torch.distributed.checkpoint.state_dict import (
         get_model_state_dict,
@@ -267,7 +270,7 @@ def load_sharded_checkpoint(
     if (problem := broadcast(problem)) is not None:
         raise problem
     model_state = get_model_state_dict(module)
-    check_compatible(path, {k: tuple(v.shape) for k, v in model_state.items()}, strict=strict)
+    check_compatible(path, whole_model or {k: tuple(v.shape) for k, v in model_state.items()}, strict=strict)
     _load({"state_dict": model_state}, path)
     set_model_state_dict(module, model_state, options=_options(strict=strict))
     for index, optimizer in enumerate(optimizers):
@@ -283,10 +286,12 @@ def load_full_checkpoint(
     module: nn.Module,
     optimizers: Sequence[torch.optim.Optimizer],
     strict: bool,
+    whole_model: Mapping[str, tuple[int, ...]] | None = None,
 ) -> None:
     """Load the model and optimizer states of a single-file checkpoint (whole tensors, as one process or
     ddp writes it; already read into ``checkpoint`` on every rank) into a sharded ``module`` (FSDP2,
-    tensor parallel or both) and ``optimizers``: each rank keeps its own shards of every tensor."""
+    tensor parallel or both; or a pipeline stage, with ``whole_model`` as in ``load_sharded_checkpoint``)
+    and ``optimizers``: each rank keeps its own shards of its own tensors."""
     from torch.distributed.checkpoint.state_dict import (
         get_model_state_dict,
         set_model_state_dict,
@@ -296,9 +301,10 @@ def load_full_checkpoint(
     state = checkpoint["state_dict"]
     expected = {key: tuple(value.shape) for key, value in get_model_state_dict(module).items()}
     saved = {key: tuple(value.shape) for key, value in state.items() if isinstance(value, torch.Tensor)}
-    check_compatible(path, expected, strict=strict, saved=saved)
+    check_compatible(path, whole_model or expected, strict=strict, saved=saved)
     options = _options(full_state_dict=True, strict=strict)
-    set_model_state_dict(module, dict(state), options=options)  # a copy: the loader pops from it
+    own = {key: value for key, value in state.items() if key in expected}  # a copy: the loader pops from it
+    set_model_state_dict(module, own, options=options)
     saved_optimizers = checkpoint.get("optimizer_states", [])
     for optimizer, optimizer_state in zip(optimizers, saved_optimizers, strict=True):
         keyed = optimizer_state_by_name(optimizer_state, module, optimizer)
@@ -309,7 +315,9 @@ def optimizer_state_by_name(
     state: dict[str, Any], module: nn.Module, optimizer: torch.optim.Optimizer
 ) -> dict[str, Any]:
     """``optimizer.state_dict()`` as a checkpoint file holds it (parameters numbered in the order of the
-    optimizer's groups) keyed by parameter name, the form ``set_optimizer_state_dict`` loads.
+    optimizer's groups) keyed by parameter name, the form ``set_optimizer_state_dict`` loads. A file that
+    records the names (``param_names``, as ``DataParallelStrategy`` writes) may hold more parameters than
+    ``module`` (a pipeline stage): only this module's are kept.
 
         >>> import torch
         >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2))
@@ -322,6 +330,15 @@ def optimizer_state_by_name(
     name_of = {id(param): name for name, param in module.named_parameters()}
     names = [name_of[id(param)] for group in optimizer.param_groups for param in group["params"]]
     numbered = [index for group in state["param_groups"] for index in group["params"]]
+    if "param_names" in state:
+        name_by_index, own = dict(zip(numbered, state["param_names"], strict=True)), set(names)
+        return {
+            "state": {name_by_index[i]: v for i, v in state["state"].items() if name_by_index[i] in own},
+            "param_groups": [
+                {**group, "params": [name_by_index[i] for i in group["params"] if name_by_index[i] in own]}
+                for group in state["param_groups"]
+            ],
+        }
     if len(numbered) != len(names):
         raise UserInputError(
             f"the checkpoint's optimizer state covers {len(numbered)} parameters, this model's optimizer "

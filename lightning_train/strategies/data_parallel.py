@@ -161,6 +161,9 @@ class DataParallelStrategy(ModelParallelStrategy):
             False  # True once load_checkpoint has put model + optimizer states in place
         )
         self._checkpoint_group: Any = None  # the gloo group of background sharded saves
+        # the whole LightningModule's state (name -> shape) when this rank holds part of it (a pipeline
+        # stage): checkpoints are checked against the whole model
+        self.whole_model_shapes: dict[str, tuple[int, ...]] | None = None
 
     # ---- process groups and mesh ---------------------------------------------------------------------
     def _configure_launcher(self) -> None:
@@ -297,7 +300,11 @@ class DataParallelStrategy(ModelParallelStrategy):
 
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         if self.sharding == "ddp":
-            return Strategy.optimizer_state(self, optimizer)
+            # the names beside torch's numbers: a layout that holds part of the model (a pipeline stage)
+            # finds its own parameters' state (checkpoint.sharded.optimizer_state_by_name)
+            name_of = {id(param): name for name, param in self.lightning_module.named_parameters()}
+            names = [name_of[id(param)] for group in optimizer.param_groups for param in group["params"]]
+            return {**Strategy.optimizer_state(self, optimizer), "param_names": names}
         return super().optimizer_state(optimizer)
 
     def save_checkpoint(
@@ -332,7 +339,10 @@ class DataParallelStrategy(ModelParallelStrategy):
         elif self.sharding == "fsdp":  # a single file (one process, ddp) into sharded parameters
             metadata = Strategy.load_checkpoint(self, path, weights_only)
             module = self.lightning_module
-            load_full_checkpoint(metadata, path, module, self.optimizers, strict=module.strict_loading)
+            load_full_checkpoint(
+                metadata, path, module, self.optimizers, strict=module.strict_loading,
+                whole_model=self.whole_model_shapes,
+            )
         else:
             return Strategy.load_checkpoint(self, path, weights_only)
         self._restored_by_strategy = True
@@ -345,6 +355,7 @@ class DataParallelStrategy(ModelParallelStrategy):
         return load_sharded_checkpoint(
             path, module, self.optimizers, strict=module.strict_loading, is_verifier=self.global_rank == 0,
             broadcast=self.broadcast, weights_only=weights_only is not False,
+            whole_model=self.whole_model_shapes,
         )
 
     @property

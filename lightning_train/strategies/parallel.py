@@ -213,6 +213,7 @@ class ParallelStrategy(DataParallelStrategy):
         if self.virtual_stages > 1:  # the module holds all of this rank's stages (state dict, optimizer)
             owned = [index for i in self._stage_ids for index in splits[i]]
             held = stage_model(model, owned, 0 in self._stage_ids, num_stages - 1 in self._stage_ids)
+        self.whole_model_shapes = {key: tuple(value.shape) for key, value in module.state_dict().items()}
         name = next((name for name, child in module.named_children() if child is model), None)
         if name is None:
             raise UserInputError(
