@@ -116,7 +116,7 @@ def test_tensor_parallel_splits_matrices_and_sequence_parallel_activations():
     assert tp2.state_bytes == 16 * (matrices // 2 + vectors)  # fp32 weights, grads, AdamW's two moments
     logits = 2 * 16 * 8 * CONFIG.vocab_size * 4  # all-gathered over the vocabulary: whole on each rank
     assert tp2.activation_bytes - logits == pytest.approx((whole.activation_bytes - logits) / 2, abs=1)
-    per_layer = layer_activation_bytes(CONFIG, 8, 16)  # Korthikanti et al. eq. 2 in fp32
+    per_layer = layer_activation_bytes(CONFIG, 8, 16)  # Korthikanti et al.'s count, in fp32
     assert whole.activation_bytes == int(CONFIG.n_layer * per_layer + logits)
 
 

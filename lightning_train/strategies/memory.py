@@ -127,11 +127,11 @@ def _activation_bytes(
 def layer_activation_bytes(
     config: Any, batch_size: float, seq_len: int, dtype: torch.dtype = torch.float32, tensor_parallel: int = 1
 ) -> float:
-    """One block's saved activations (Korthikanti et al. 2022): ``s*b*h*(34 + 5*a*s/h)`` bytes in 16-bit
-    (eq. 2), twice that in fp32; with tensor and sequence parallelism over ``t`` ranks each holds ``1/t``
-    of it (eq. 5: the norms' and residuals' along the sequence, attention's and the MLP's by heads and
-    width). The ``5*a*s/h`` term is the materialised attention scores: an upper bound where
-    ``scaled_dot_product_attention`` runs a fused kernel that stores none."""
+    """One block's saved activations (Korthikanti et al. 2022): ``s*b*h*(34 + 5*a*s/h)`` bytes in 16-bit,
+    twice that in fp32; with tensor and sequence parallelism over ``t`` ranks each holds ``1/t`` of it
+    (the paper's sequence-parallel count: the norms' and residuals' split along the sequence, attention's
+    and the MLP's by heads and width). The ``5*a*s/h`` term is the materialised attention scores: an upper
+    bound where ``scaled_dot_product_attention`` runs a fused kernel that stores none."""
     s, b, h, a = seq_len, batch_size, config.n_embd, config.n_head
     return s * b * h * (34 + 5 * a * s / h) * torch.finfo(dtype).bits / 16 / tensor_parallel
 
