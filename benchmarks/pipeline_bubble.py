@@ -2,8 +2,8 @@
 
 Two gloo ranks on CPU (one thread each) run ``lightning_train.strategies.pipeline.Pipeline`` (the
 schedule ``ParallelStrategy(pipeline_parallel=2)`` runs inside Lightning's step) over one global batch:
-forward and backward of every microbatch, the tied embedding's gradients summed (as in training). The reference is the
-same model and batch in one process with one thread. With perfectly balanced stages and free
+forward and backward of every microbatch, the tied embedding's gradients summed (as in training). The
+reference is the same model and batch in one process with one thread. With perfectly balanced stages and free
 communication a step takes ``T1 / p`` busy time, and the schedule leaves each rank idle for
 ``(p - 1) / (m + p - 1)`` of the step (the bubble), so the measured bubble is ``1 - (T1 / p) / Tpp``.
 Measured and ideal are paired in one run; what is left over beyond the ideal bubble is communication,

@@ -266,17 +266,19 @@ class DataParallelStrategy(ModelParallelStrategy):
             activation_checkpointing=self.activation_checkpointing,
             activation_dtype=_LOW_PRECISION.get(self._precision_name, torch.float32),
         )
-        budget = (
-            int(self.memory_budget_gb * GiB)
-            if self.memory_budget_gb is not None
-            else device_memory_bytes(self.root_device, self.num_processes)
-        )
+        budget = self.memory_budget_bytes()
         choice = choose_sharding(estimate, budget)
         rank_zero_info(
             f"DataParallelStrategy(sharding='auto') chose {choice!r}: {estimate.describe()}; "
             f"budget {format_bytes(budget)} per device (ddp when it needs <= 80% of it)"
         )
         return choice
+
+    def memory_budget_bytes(self) -> int:
+        """The per-device memory ``auto`` plans with: ``memory_budget_gb``, or the device's."""
+        if self.memory_budget_gb is not None:
+            return int(self.memory_budget_gb * GiB)
+        return device_memory_bytes(self.root_device, self.num_processes)
 
     def teardown(self) -> None:
         if isinstance(self.model, DistributedDataParallel):

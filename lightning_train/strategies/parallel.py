@@ -20,6 +20,7 @@ from typing import Any, Literal
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
@@ -36,6 +37,7 @@ from lightning_train.strategies.pipeline import (
     split_blocks,
     stage_model,
 )
+from lightning_train.strategies.planner import LayoutPlan, plan_layout, planning_model
 from lightning_train.strategies.tensor_parallel import (
     apply_tensor_parallel,
     check_tensor_parallel,
@@ -75,6 +77,9 @@ class ParallelStrategy(DataParallelStrategy):
     Args:
         tensor_parallel: ranks that split each layer (heads, MLP width, vocabulary) and the sequence
             between layers; must divide the world size, ``n_head``, ``n_kv_head`` and the sequence length.
+            ``"auto"``: ``planner.plan_layout`` picks ``tensor_parallel``, ``pipeline_parallel`` and
+            ``sharding`` from the memory estimate (leave those two at 1 and ``"auto"``), before the mesh
+            is built; until then ``tensor_parallel`` reads 1 and ``layout_plan`` None.
         pipeline_parallel: stages the sequence of blocks is cut into (the embedding on the first, the
             final norm, head and loss on the last).
         microbatches: microbatches per batch in the pipeline (None: 2 x stages); must divide the
@@ -101,7 +106,7 @@ class ParallelStrategy(DataParallelStrategy):
 
     def __init__(
         self,
-        tensor_parallel: int = 1,
+        tensor_parallel: int | Literal["auto"] = 1,
         pipeline_parallel: int = 1,
         microbatches: int | None = None,
         pipeline_schedule: Literal["1F1B", "GPipe", "Interleaved1F1B"] = "1F1B",
@@ -110,34 +115,57 @@ class ParallelStrategy(DataParallelStrategy):
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
-        self.refused_ddp = tensor_parallel * pipeline_parallel > 1 and self.sharding == "ddp"
-        if tensor_parallel * pipeline_parallel > 1:
+        self.layout_plan: LayoutPlan | None = None  # tensor_parallel="auto": set by _plan_layout
+        self.auto_layout = tensor_parallel == "auto"
+        self._given = (tensor_parallel, pipeline_parallel, self.sharding)  # checked in _check_options
+        if self.auto_layout:
+            tensor_parallel = 1  # until planned
+        numbers = isinstance(tensor_parallel, int) and isinstance(pipeline_parallel, int)
+        if numbers and tensor_parallel * pipeline_parallel > 1 and self.sharding != "ddp":
             self.sharding = "fsdp"
         self.tensor_parallel, self.pipeline_parallel = tensor_parallel, pipeline_parallel
         self.microbatches = 2 * pipeline_parallel * virtual_stages if microbatches is None else microbatches
         self.pipeline_schedule, self.virtual_stages = pipeline_schedule, virtual_stages
         self.pipeline_split_points = None if pipeline_split_points is None else list(pipeline_split_points)
+        self._given_microbatches = microbatches
         self.pipeline: Pipeline | None = None  # built in setup when pipeline_parallel > 1
         self._stage_ids: list[int] = []  # this rank's pipeline stages
         self._stage_views: list[torch.nn.Module] = []  # the model each of them runs
 
     # ---- the mesh -------------------------------------------------------------------------------------
     def _configure_launcher(self) -> None:
-        # here, not in __init__: the CLI's parser would turn an error there into its own generic message
-        if self.refused_ddp:
-            raise UserInputError(
-                f"sharding='ddp' does not combine with tensor_parallel={self.tensor_parallel} x "
-                f"pipeline_parallel={self.pipeline_parallel} yet; use sharding='fsdp' (or 'auto')"
-            )
-        check_pipeline(
-            self.pipeline_parallel, self.pipeline_schedule, self.microbatches, self.virtual_stages,
-            self.pipeline_split_points,
-        )
+        self._check_options()
         check_layout(
             self.tensor_parallel, self.replicate_size, self.num_nodes, self.num_processes,
             self.pipeline_parallel,
         )
         super()._configure_launcher()
+
+    def _check_options(self) -> None:
+        """Refuse options that cannot work together. Here, not in ``__init__``: the CLI's parser would turn
+        an error raised there into a generic message of its own."""
+        tensor_parallel, pipeline_parallel, sharding = self._given
+        if self.auto_layout and (pipeline_parallel != 1 or sharding != "auto"):
+            raise UserInputError(
+                f"tensor_parallel='auto' plans pipeline_parallel and sharding too; leave them at 1 and "
+                f"'auto' (got {pipeline_parallel} and {sharding!r}), or give tensor_parallel as a number"
+            )
+        if not self.auto_layout and (not isinstance(tensor_parallel, int) or tensor_parallel < 1):
+            raise UserInputError(f"tensor_parallel={tensor_parallel!r}: use an int >= 1 or 'auto'")
+        check_pipeline(
+            pipeline_parallel, self.pipeline_schedule, self.microbatches, self.virtual_stages,
+            self.pipeline_split_points,
+        )
+        if self.tensor_parallel * pipeline_parallel > 1 and sharding == "ddp":
+            raise UserInputError(
+                f"sharding='ddp' does not combine with tensor_parallel={self.tensor_parallel} x "
+                f"pipeline_parallel={pipeline_parallel} yet; use sharding='fsdp' (or 'auto')"
+            )
+
+    def setup_environment(self) -> None:
+        module = self.lightning_module  # the Trainer API calls no check_model: plan before the mesh
+        self._plan_layout(module, getattr(module.trainer, "datamodule", None))
+        super().setup_environment()
 
     def _build_mesh(self) -> DeviceMesh:
         tp, pp, replicate = self.tensor_parallel, self.pipeline_parallel, self.replicate_size
@@ -174,12 +202,32 @@ class ParallelStrategy(DataParallelStrategy):
     def check_model(self, module: pl.LightningModule, datamodule: Any = None) -> None:
         """Refuse a model (or batch) the layout cannot split (the CLI calls this before any process
         starts)."""
+        self._plan_layout(module, datamodule)
         config = getattr(module, "config", None)
         check_tensor_parallel(self.tensor_parallel, config)
         if self.pipeline_parallel > 1:
             num_stages = self.pipeline_parallel * self.virtual_stages
             check_stages(num_stages, getattr(config, "n_layer", 0), self.pipeline_split_points)
             check_microbatches(getattr(datamodule, "batch_size", None), self.microbatches)
+
+    def _plan_layout(self, module: pl.LightningModule, datamodule: Any) -> None:
+        """tensor_parallel='auto': settle the sizes and sharding from ``plan_layout``, once (every rank plans
+        from the same sizes; set ``memory_budget_gb`` where devices differ)."""
+        if not self.auto_layout or self.layout_plan is not None:
+            return
+        plan = plan_layout(
+            planning_model(getattr(module, "config", None), datamodule),
+            self.num_nodes * self.num_processes, self.num_processes, getattr(datamodule, "batch_size", None),
+            getattr(datamodule, "seq_len", None), self.memory_budget_bytes(), self._precision_name,
+            self.activation_checkpointing, self.replicate_size, self._given_microbatches,
+            self.pipeline_schedule, self.virtual_stages,
+        )
+        rank_zero_info(f"ParallelStrategy(tensor_parallel='auto') chose {plan.describe()}")
+        self.sharding, self.tensor_parallel, self.pipeline_parallel = (
+            plan.sharding, plan.tensor_parallel, plan.pipeline_parallel
+        )
+        self.microbatches = plan.microbatches or self.microbatches
+        self.layout_plan = plan
 
     def apply_model_parallel(self, module: pl.LightningModule) -> None:
         if self.tensor_parallel * self.pipeline_parallel == 1:
