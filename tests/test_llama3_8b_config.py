@@ -86,8 +86,9 @@ def test_layout_fits_an_80gb_gpu_and_ddp_does_not(config, meta_model):
     assert options["activation_checkpointing"] and trainer["precision"] == "bf16-mixed"
     estimate = estimate_layout(meta_model, activation_checkpointing=True, **layout)
     assert estimate.total_bytes <= MARGIN * H100
-    assert format_bytes(estimate.total_bytes) == "44.6 GiB"  # as the config's comment says
-    assert estimate_layout(meta_model, **layout).total_bytes > MARGIN * H100  # without checkpointing
+    assert format_bytes(estimate.total_bytes) == "13.3 GiB"  # as the config's comment says
+    without = estimate_layout(meta_model, **layout)  # no activation checkpointing: fits, with less room
+    assert format_bytes(without.total_bytes) == "48.2 GiB" and without.total_bytes <= MARGIN * H100
     ddp = estimate_layout(meta_model, batch_size=batch_size, seq_len=seq_len, activation_checkpointing=True,
                           activation_dtype=torch.bfloat16)
     assert ddp.state_bytes > H100 and format_bytes(ddp.total_bytes) == "453.9 GiB"
@@ -98,4 +99,4 @@ def test_layout_fits_an_80gb_gpu_and_ddp_does_not(config, meta_model):
         microbatches=options["microbatches"],
     )
     assert plan.layout == "fsdp over 16 x pp 2 (16 microbatches)"
-    assert format_bytes(plan.per_device_bytes) == "56.6 GiB"
+    assert format_bytes(plan.per_device_bytes) == "25.3 GiB"

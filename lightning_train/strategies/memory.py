@@ -249,10 +249,6 @@ def estimate_layout(
                 config, len(blocks), batch_size / microbatches, seq_len, activation_checkpointing,
                 activation_dtype, t, _in_flight(schedule, rank, p, virtual_stages, microbatches), last,
             )
-            if p > 1 and last:  # torch's schedules keep every microbatch's output (the logits) on the last
-                # stage until the step ends: Pipeline.train_step calls step() with return_outputs=True
-                logit_bytes = torch.finfo(activation_dtype).bits / 8
-                activations += seq_len * batch_size * config.vocab_size * logit_bytes
         estimate = LayoutEstimate(t, p, shard_size, int(state), int(gathered), int(activations), rank)
         if fullest is None or estimate.total_bytes > fullest.total_bytes:
             fullest = estimate

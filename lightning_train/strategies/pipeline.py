@@ -33,6 +33,7 @@ from torch.distributed.pipelining.schedules import (
 )
 
 from lightning_train.errors import UserInputError
+from lightning_train.strategies.tensor_parallel import match_grad_placement
 
 SCHEDULES = {"1F1B": Schedule1F1B, "GPipe": ScheduleGPipe, "Interleaved1F1B": ScheduleInterleaved1F1B}
 LossFn = Callable[[Tensor, Tensor], Tensor]
@@ -248,7 +249,8 @@ class Pipeline:
         self._loss_fn, self._scale = loss_fn, scale or (lambda loss: loss)
         self._weights = ((labels != -100).sum().clamp(min=1), accumulation)
         self._losses = []
-        self._train_schedule.step(input_ids, target=labels)
+        # return_outputs=False: the last stage does not keep every microbatch's logits until the step ends
+        self._train_schedule.step(input_ids, target=labels, return_outputs=False)
         # the last n: the first step's shape inference calls the loss once more, before the microbatches
         loss = torch.stack(self._losses[-self.microbatches:]).sum() if self.is_last else None
         if ends_step:
@@ -288,8 +290,9 @@ class Pipeline:
 
     def _sum_tied_grads(self) -> None:
         """Sum the gradients of the embedding the first and last stages share (their copies stay equal)."""
-        grad = self._tied.grad if self._tied is not None else None
-        if self.tied_group is None or grad is None:  # None on both copies when the embedding is frozen
+        if self.tied_group is None or self._tied.grad is None:  # None on both copies when it is frozen
             return
+        match_grad_placement(self._tied)  # both copies' gradients in one layout (TP may leave a Partial)
+        grad = self._tied.grad
         local = grad.to_local() if hasattr(grad, "to_local") else grad
         dist.all_reduce(local, group=self.tied_group)

@@ -149,6 +149,11 @@ def reduce_partial_grads(model: nn.Module) -> None:
     Not a gradient hook on the parameters: moving the module (``.to``) swaps each DTensor parameter for
     a new one and silently drops such hooks (``ParallelStrategy`` moves it after this plan)."""
     for param in model.parameters():
-        grad = param.grad
-        if isinstance(grad, DTensor) and grad.placements != param.placements:
-            param.grad = grad.redistribute(param.device_mesh, param.placements)
+        match_grad_placement(param)
+
+
+def match_grad_placement(param: nn.Parameter) -> None:
+    """Redistribute ``param``'s gradient to the parameter's own placements (a ``Partial`` sum reduced)."""
+    grad = param.grad
+    if isinstance(grad, DTensor) and grad.placements != param.placements:
+        param.grad = grad.redistribute(param.device_mesh, param.placements)
