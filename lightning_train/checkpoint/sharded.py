@@ -311,12 +311,28 @@ def load_full_checkpoint(
         set_optimizer_state_dict(module, optimizer, keyed, options=options)
 
 
+def name_optimizer_states(
+    checkpoint: dict[str, Any], module: nn.Module, optimizers: Sequence[torch.optim.Optimizer]
+) -> None:
+    """Record beside each of ``checkpoint``'s numbered optimizer states (a single file's) the names of its
+    parameters, in torch's numbering order: a layout that holds part of the model (a pipeline stage)
+    then finds its own parameters' state (``optimizer_state_by_name``). Sharded states are keyed by
+    name already and are left as they are."""
+    name_of = {id(param): name for name, param in module.named_parameters()}
+    for state, optimizer in zip(checkpoint.get("optimizer_states", []), optimizers, strict=False):
+        numbered = [index for group in state.get("param_groups", []) for index in group["params"]]
+        if numbered and all(isinstance(index, int) for index in numbered):
+            state["param_names"] = [
+                name_of[id(param)] for group in optimizer.param_groups for param in group["params"]
+            ]
+
+
 def optimizer_state_by_name(
     state: dict[str, Any], module: nn.Module, optimizer: torch.optim.Optimizer
 ) -> dict[str, Any]:
     """``optimizer.state_dict()`` as a checkpoint file holds it (parameters numbered in the order of the
     optimizer's groups) keyed by parameter name, the form ``set_optimizer_state_dict`` loads. A file that
-    records the names (``param_names``, as ``DataParallelStrategy`` writes) may hold more parameters than
+    records the names (``param_names``, as ``name_optimizer_states`` writes) may hold more parameters than
     ``module`` (a pipeline stage): only this module's are kept.
 
         >>> import torch

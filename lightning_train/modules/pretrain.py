@@ -21,6 +21,7 @@ from torchmetrics import MeanMetric
 
 from lightning_train._compat import attached_trainer
 from lightning_train.callbacks._common import is_logging_step
+from lightning_train.checkpoint.sharded import name_optimizer_states
 from lightning_train.errors import UserInputError
 from lightning_train.models.float8 import check_float8_device, convert_to_float8
 from lightning_train.models.gpt import GPT, GPTConfig, padded_vocab_size
@@ -232,6 +233,10 @@ class PretrainModule(L.LightningModule):
             self.trainer.strategy.clip_grad_norm_(gradient_clip_val)
             return
         super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        # a single file's optimizer states name their parameters: a pipeline stage resumes its own part
+        name_optimizer_states(checkpoint, self, self.trainer.optimizers)
 
     def _ends_step(self, batch_idx: int) -> bool:
         """Whether the optimizer steps after this batch (the last of ``accumulate_grad_batches``, or of the

@@ -302,11 +302,7 @@ class DataParallelStrategy(ModelParallelStrategy):
 
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         if self.sharding == "ddp":
-            # the names beside torch's numbers: a layout that holds part of the model (a pipeline stage)
-            # finds its own parameters' state (checkpoint.sharded.optimizer_state_by_name)
-            name_of = {id(param): name for name, param in self.lightning_module.named_parameters()}
-            names = [name_of[id(param)] for group in optimizer.param_groups for param in group["params"]]
-            return {**Strategy.optimizer_state(self, optimizer), "param_names": names}
+            return Strategy.optimizer_state(self, optimizer)
         return super().optimizer_state(optimizer)
 
     def save_checkpoint(

@@ -1,0 +1,72 @@
+"""The pipeline's pure parts, in one process: the stage split, a stage's model, and the optimizer state a
+stage finds in a one-process checkpoint (the multi-rank behaviour is tests/test_pipeline_parallel.py)."""
+
+import pytest
+import torch
+
+from lightning_train.checkpoint.sharded import name_optimizer_states, optimizer_state_by_name
+from lightning_train.errors import UserInputError
+from lightning_train.models.gpt import GPT, GPTConfig
+from lightning_train.strategies.pipeline import pipeline_stage_ids, split_blocks, stage_model
+
+
+def _model(**overrides) -> GPT:
+    torch.manual_seed(0)
+    return GPT(GPTConfig(**{"vocab_size": 320, "n_layer": 4, "n_head": 2, "n_embd": 32, **overrides}))
+
+
+def test_split_balances_parameters_with_the_embedding_and_head_counted():
+    assert split_blocks(_model(), 2) == [range(0, 2), range(2, 4)]
+    # a vocabulary as large as three blocks: the first stage (embedding) and the last (head) get fewer
+    # blocks than the middle one
+    big_vocab = _model(vocab_size=2048, n_layer=6, tie_embeddings=False)
+    assert split_blocks(big_vocab, 3) == [range(0, 1), range(1, 5), range(5, 6)]
+    assert split_blocks(_model(), 2, split_points=[3]) == [range(0, 3), range(3, 4)]
+
+
+@pytest.mark.parametrize(
+    ("stages", "points", "message"),
+    [
+        (5, None, "5 pipeline stages need at least 5 blocks; the model has n_layer=4"),
+        (2, [0], "pipeline_split_points=[0] must be 1 increasing block indices in 1..3"),
+        (3, [2, 2], "pipeline_split_points=[2, 2] must be 2 increasing block indices in 1..3"),
+    ],
+)
+def test_bad_splits_name_the_value_and_the_fix(stages, points, message):
+    with pytest.raises(UserInputError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        split_blocks(_model(), stages, points)
+
+
+def test_a_stage_keeps_the_whole_models_names_and_modules():
+    model = _model()
+    first = stage_model(model, range(0, 2), first=True, last=False)
+    last = stage_model(model, range(2, 4), first=False, last=True)
+    whole = dict(model.named_parameters())
+    for stage in (first, last):
+        for name, param in stage.named_parameters():
+            assert whole[name] is param  # the model's own tensors, under the model's names
+    assert first.lm_head is None and last.pos_embed is None
+    assert last.embed is model.embed  # tied: the head's weight is the embedding's
+    tokens = torch.randint(0, 320, (2, 8))
+    torch.testing.assert_close(last(first(tokens)), model(tokens))  # the stages compose to the model
+
+
+def test_interleaved_stages_loop_over_the_ranks():
+    assert [pipeline_stage_ids(rank, 2, 2) for rank in (0, 1)] == [[0, 2], [1, 3]]
+
+
+def test_a_stage_finds_its_own_optimizer_state_in_a_one_process_checkpoint():
+    model = _model()
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.randint(0, 320, (2, 8))).sum().backward()
+    optimizer.step()
+    checkpoint = {"optimizer_states": [optimizer.state_dict()]}
+    name_optimizer_states(checkpoint, model, [optimizer])
+    last = stage_model(model, range(2, 4), first=False, last=True)
+    stage_optimizer = torch.optim.AdamW(last.parameters())
+    keyed = optimizer_state_by_name(checkpoint["optimizer_states"][0], last, stage_optimizer)
+    names = [name for name, _ in last.named_parameters()]
+    assert sorted(keyed["state"]) == sorted(names)
+    assert keyed["param_groups"][0]["params"] == names
+    torch.testing.assert_close(keyed["state"]["blocks.3.mlp.down.weight"]["exp_avg"],
+                               optimizer.state[model.blocks[3].mlp.down.weight]["exp_avg"])
