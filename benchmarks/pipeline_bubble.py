@@ -6,9 +6,11 @@ forward and backward of every microbatch, the tied embedding's gradients summed 
 reference is the same model and batch in one process with one thread. With perfectly balanced stages and free
 communication a step takes ``T1 / p`` busy time, and the schedule leaves each rank idle for
 ``(p - 1) / (m + p - 1)`` of the step (the bubble), so the measured bubble is ``1 - (T1 / p) / Tpp``.
-Measured and ideal are paired in one run; what is left over beyond the ideal bubble is communication,
-the imbalance of the stages (embedding on the first, head and loss on the last) and the per-microbatch
-overhead of smaller matmuls.
+Measured and ideal are paired in one run. To tell the bubble from the cost of smaller matmuls, the one
+process also runs the batch as ``m`` microbatches one after another (gradients accumulated): with that
+time ``T1(m)``, a pipeline with free communication and balanced stages would take
+``T1(m) / p * (m + p - 1) / m``; what the pipelined step takes beyond it is communication and the
+imbalance of the stages (embedding on the first, head and loss on the last).
 
     python benchmarks/pipeline_bubble.py            # writes docs/benchmarks/pipeline_bubble.json
     python benchmarks/pipeline_bubble.py --smoke    # seconds: a tiny model, one repeat
@@ -49,8 +51,9 @@ def _batch(config: GPTConfig, batch: int, seq_len: int) -> tuple[torch.Tensor, t
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def one_process_step_seconds(size: str) -> list[float]:
-    """Seconds per forward + backward of the whole batch in this process."""
+def one_process_step_seconds(size: str, microbatches: int = 1) -> list[float]:
+    """Seconds per forward + backward of the whole batch in this process, as ``microbatches`` chunks run
+    one after another (gradients accumulated)."""
     model_kwargs, batch, seq_len, steps, warmup = SIZES[size]
     torch.manual_seed(0)
     config = GPTConfig(**model_kwargs)
@@ -59,7 +62,8 @@ def one_process_step_seconds(size: str) -> list[float]:
     for step in range(warmup + steps):
         start = time.perf_counter()
         model.zero_grad(set_to_none=True)
-        _loss(model(input_ids), labels).backward()
+        for ids, targets in zip(input_ids.chunk(microbatches), labels.chunk(microbatches), strict=True):
+            (_loss(model(ids), targets) / microbatches).backward()
         if step >= warmup:
             seconds.append(time.perf_counter() - start)
     return seconds
@@ -111,25 +115,34 @@ def main() -> None:
     rows, results = [], {}
     for microbatches in MICROBATCHES:
         measured = []
-        for _ in range(pairs):  # the reference right beside each pipelined run: the same machine load
+        for _ in range(pairs):  # the references right beside each pipelined run: the same machine load
             one = statistics.median(one_process_step_seconds(size))
+            chunked = statistics.median(one_process_step_seconds(size, microbatches))
             pp = statistics.median(pipeline_step_seconds(size, microbatches))
-            measured.append((one, pp))
-        bubbles = [1 - (one / STAGES) / pp for one, pp in measured]
+            measured.append((one, chunked, pp))
         ideal = (STAGES - 1) / (microbatches + STAGES - 1)
+        # a pipeline of free communication and balanced stages over the chunked work: T1(m)/p * (m+p-1)/m
+        expected = [chunked / STAGES / (1 - ideal) for _, chunked, _ in measured]
         results[str(microbatches)] = {
-            "one_process_step_s": [one for one, _ in measured],
-            "pipeline_step_s": [pp for _, pp in measured],
-            "speedup": statistics.median(one / pp for one, pp in measured),
-            "bubble_measured": statistics.median(bubbles),
+            "one_process_step_s": [one for one, _, _ in measured],
+            "one_process_chunked_step_s": [chunked for _, chunked, _ in measured],
+            "pipeline_step_s": [pp for _, _, pp in measured],
+            "speedup": statistics.median(one / pp for one, _, pp in measured),
+            "bubble_measured": statistics.median(1 - (one / STAGES) / pp for one, _, pp in measured),
             "bubble_ideal": ideal,
+            "pipeline_over_expected": statistics.median(
+                pp / e for (_, _, pp), e in zip(measured, expected, strict=True)
+            ),
         }
         r = results[str(microbatches)]
-        rows.append([microbatches, f"{statistics.median(o for o, _ in measured) * 1e3:.0f}",
-                     f"{statistics.median(p for _, p in measured) * 1e3:.0f}", f"{r['speedup']:.2f}x",
-                     f"{r['bubble_measured']:.2f}", f"{ideal:.2f}"])
+        rows.append([
+            microbatches, *(f"{statistics.median(m[i] for m in measured) * 1e3:.0f}" for i in range(3)),
+            f"{r['speedup']:.2f}x", f"{r['bubble_measured']:.2f}", f"{ideal:.2f}",
+            f"{r['pipeline_over_expected']:.2f}x",
+        ])
     table = print_table(
-        ["microbatches", "1 process ms/step", "pp=2 ms/step", "speed-up", "bubble measured", "bubble ideal"],
+        ["microbatches", "1 process ms/step", "1 process, m chunks", "pp=2 ms/step", "speed-up",
+         "bubble measured", "bubble ideal", "pp=2 / ideal pipeline"],
         rows,
     )
     model_kwargs, batch, seq_len, steps, warmup = SIZES[size]

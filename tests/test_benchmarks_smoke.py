@@ -116,6 +116,9 @@ def test_pipeline_bubble_smoke(tmp_path: Path) -> None:
         assert one > 0 and pp > 0
         assert result["bubble_ideal"] == pytest.approx(1 / (int(microbatches) + 1))  # (p-1)/(m+p-1), p=2
         assert result["bubble_measured"] == pytest.approx(1 - (one / 2) / pp)
+        [chunked] = result["one_process_chunked_step_s"]
+        expected = chunked / 2 * (int(microbatches) + 1) / int(microbatches)  # T1(m)/p * (m+p-1)/m
+        assert result["pipeline_over_expected"] == pytest.approx(pp / expected)
 
 
 @pytest.mark.slow  # three 1- and 2-rank launches
