@@ -137,8 +137,9 @@ def test_pipeline_under_amp_accumulation_and_activation_checkpointing(tmp_path):
 
 
 def test_pipeline_checkpoints_move_between_layouts(tmp_path):
-    """A pp=2 checkpoint at step 10 resumes on tp=2 and in one process, and a one-process checkpoint
-    resumes under pp=2: each trains steps 10..14 with the losses of an uninterrupted one-process run."""
+    """A pp=2 checkpoint at step 10 resumes under pp=2, on tp=2 and in one process, and a one-process
+    checkpoint resumes under pp=2: each trains steps 10..14 with the losses of an uninterrupted one-process
+    run."""
     config = _config(tmp_path)
     pp = [PARALLEL, "--trainer.strategy.pipeline_parallel=2"]
     _fit(tmp_path, "pp", "--config", config, "--trainer.devices=2", *pp)
@@ -148,6 +149,7 @@ def test_pipeline_checkpoints_move_between_layouts(tmp_path):
     pp_checkpoint = f"--ckpt_path={tmp_path / 'pp' / 'checkpoints' / 'last.ckpt'}"
     one_checkpoint = f"--ckpt_path={tmp_path / 'one' / 'checkpoints' / 'last.ckpt'}"
     resumes = {
+        "pp_to_pp": ["--trainer.devices=2", *pp, pp_checkpoint],  # the same layout: exact resume
         "pp_to_tp": ["--trainer.devices=2", PARALLEL, "--trainer.strategy.tensor_parallel=2", pp_checkpoint],
         # a sharded folder in one process: lt_fsdp (the default strategy refuses it with one line naming it)
         "pp_to_one": ["--trainer.devices=1", "--trainer.strategy=lt_fsdp", pp_checkpoint],
