@@ -39,7 +39,9 @@ def _fit(tmp_path: Path, name: str, *args: str) -> tuple[list[dict], str]:
         cwd=tmp_path,
         env=ENV,
     )
-    assert result.returncode == 0, result.stderr[-4000:]
+    if result.returncode != 0:  # each rank's own error first: another rank's traceback can fill the tail
+        errors = [line for line in result.stderr.splitlines() if "Error" in line or "what()" in line]
+        raise AssertionError("\n".join(errors[:20]) + "\n...\n" + result.stderr[-3000:])
     reports = [json.loads(path.read_text()) for path in sorted(out.glob("rank*.json"))]
     return reports, result.stderr
 

@@ -91,7 +91,8 @@ def test_tensor_parallel_matches_one_process(tmp_path):
         ),
         (
             ["--trainer.strategy.replicate_size=2"],
-            "replicate_size=2 does not divide the data-parallel size 1 (world size 2 / tensor_parallel=2)",
+            "replicate_size=2 does not divide the data-parallel size 1 (world size 2 / tensor_parallel=2 / "
+            "pipeline_parallel=1)",
         ),
     ],
 )

@@ -121,6 +121,26 @@ def checkpoint_tensor_shapes(path: str | Path, section: str = "state_dict") -> d
     }
 
 
+def sharded_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """This rank's optimizer state for a sharded folder, flattened: every entry keyed by its parameter's
+    name, the param-group settings too (``param_groups.<name>.lr``), so ranks that hold different
+    parameters (pipeline stages) each save their own and any layout reads its own. (Unflattened, the
+    groups are one list per rank under one key, and a folder keeps only one rank's.)"""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    options = _options(flatten_optimizer_state_dict=True, cpu_offload=True)
+    return get_optimizer_state_dict(module, optimizer, options=options)
+
+
+def _flat_param_groups(path: str | Path, index: int) -> bool:
+    """Whether the folder's optimizer ``index`` was saved flattened (``sharded_optimizer_state``); folders
+    written before keep ``param_groups.<group number>.<setting>``."""
+    prefix = f"optimizer_{index}.param_groups."
+    keys = [key[len(prefix):] for key in _SafeReader(str(path)).read_metadata().state_dict_metadata
+            if key.startswith(prefix)]
+    return bool(keys) and not any(key.split(".", 1)[0].isdigit() for key in keys)
+
+
 def check_compatible(
     path: str | Path, expected: dict[str, tuple[int, ...]], strict: bool = True,
     saved: dict[str, tuple[int, ...]] | None = None,
@@ -274,9 +294,10 @@ def load_sharded_checkpoint(
     _load({"state_dict": model_state}, path)
     set_model_state_dict(module, model_state, options=_options(strict=strict))
     for index, optimizer in enumerate(optimizers):
-        optimizer_state = {f"optimizer_{index}": get_optimizer_state_dict(module, optimizer)}
+        options = _options(flatten_optimizer_state_dict=_flat_param_groups(path, index))
+        optimizer_state = {f"optimizer_{index}": get_optimizer_state_dict(module, optimizer, options=options)}
         _load(optimizer_state, path)
-        set_optimizer_state_dict(module, optimizer, optimizer_state[f"optimizer_{index}"])
+        set_optimizer_state_dict(module, optimizer, optimizer_state[f"optimizer_{index}"], options=options)
     return read_metadata(path, weights_only)
 
 

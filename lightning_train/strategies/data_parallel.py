@@ -44,6 +44,7 @@ from lightning_train.checkpoint.sharded import (
     load_full_checkpoint,
     load_sharded_checkpoint,
     save_sharded_checkpoint,
+    sharded_optimizer_state,
 )
 from lightning_train.errors import UserInputError
 from lightning_train.strategies.memory import (
@@ -303,7 +304,7 @@ class DataParallelStrategy(ModelParallelStrategy):
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         if self.sharding == "ddp":
             return Strategy.optimizer_state(self, optimizer)
-        return super().optimizer_state(optimizer)
+        return sharded_optimizer_state(self.model, optimizer)  # trainer.optimizers: plain torch ones
 
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: PathLike, storage_options: Any | None = None
