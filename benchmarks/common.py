@@ -22,6 +22,8 @@ import os
 import platform
 import statistics
 import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -212,3 +214,23 @@ class StepTimer(Callback):
 def per_step(start: tuple[float, float], end: tuple[float, float], steps: int) -> dict[str, float]:
     """Wall and CPU seconds per step between two ``clock()`` readings."""
     return {"wall": (end[0] - start[0]) / steps, "cpu": (end[1] - start[1]) / steps}
+
+
+def add_worker_flags(parser: argparse.ArgumentParser, workers: Sequence[str], sizes: Sequence[str]) -> None:
+    """The hidden flags a ``launch_worker`` launch passes back to its script."""
+    parser.add_argument("--worker", choices=list(workers), help=argparse.SUPPRESS)
+    parser.add_argument("--size", choices=list(sizes), default="full", help=argparse.SUPPRESS)
+    parser.add_argument("--result-dir", type=Path, help=argparse.SUPPRESS)
+
+
+def launch_worker(script: str, name: str, size: str, threads: int) -> list[dict[str, Any]]:
+    """The per-rank results of one fresh ``python SCRIPT --worker NAME`` launch: the worker (whose ranks
+    Lightning's launcher starts by re-running the command line) writes ``rank<R>.json`` into
+    ``--result-dir``."""
+    with tempfile.TemporaryDirectory() as folder:
+        command = [sys.executable, script, "--worker", name, "--size", size, "--result-dir", folder]
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": str(REPO)}
+        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
+        if done.returncode != 0:
+            raise RuntimeError(f"{name} run failed:\n{done.stderr[-3000:]}")
+        return [json.loads(p.read_text()) for p in sorted(Path(folder).glob("rank*.json"))]

@@ -14,13 +14,8 @@ launcher starts rank 1 by re-running that command line.
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import resource
-import subprocess
-import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -28,9 +23,11 @@ import lightning as L
 import torch
 from common import (
     StepTimer,
+    add_worker_flags,
     base_parser,
     compare_clocks,
     comparison_row,
+    launch_worker,
     machine_info,
     print_table,
     set_threads,
@@ -98,20 +95,13 @@ def worker(sharding: str, size: str, result_dir: Path) -> None:
 
 
 def launch(sharding: str, size: str, threads: int) -> list[dict[str, Any]]:
-    with tempfile.TemporaryDirectory() as folder:
-        command = [sys.executable, __file__, "--worker", sharding, "--size", size, "--result-dir", folder]
-        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": str(Path(__file__).parents[1])}
-        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
-        if done.returncode != 0:
-            raise RuntimeError(f"{sharding} run failed:\n{done.stderr[-3000:]}")
-        return [json.loads(p.read_text()) for p in sorted(Path(folder).glob("rank*.json"))]
+    """The per-rank results of one fresh run of ``sharding``."""
+    return launch_worker(__file__, sharding, size, threads)
 
 
 def main() -> None:
     parser = base_parser("ddp_vs_fsdp", __doc__.splitlines()[0], pairs=3)
-    parser.add_argument("--worker", choices=["ddp", "fsdp"], help=argparse.SUPPRESS)
-    parser.add_argument("--size", choices=list(SIZES), default="full", help=argparse.SUPPRESS)
-    parser.add_argument("--result-dir", type=Path, help=argparse.SUPPRESS)
+    add_worker_flags(parser, ["ddp", "fsdp"], SIZES)
     args = parser.parse_args()
     set_threads(args.threads)
     if args.worker:

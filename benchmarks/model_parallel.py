@@ -19,12 +19,7 @@ launcher starts rank 1 by re-running that command line.
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
-import subprocess
-import sys
-import tempfile
 from collections import defaultdict
 from functools import partial
 from pathlib import Path
@@ -32,7 +27,15 @@ from typing import Any
 
 import lightning as L
 import torch
-from common import base_parser, machine_info, print_table, set_threads, write_json
+from common import (
+    add_worker_flags,
+    base_parser,
+    launch_worker,
+    machine_info,
+    print_table,
+    set_threads,
+    write_json,
+)
 from ddp_vs_fsdp import MemoryProbe, RandomTokens
 from torch.utils.data import DataLoader
 
@@ -138,13 +141,7 @@ def worker(layout: str, size: str, result_dir: Path) -> None:
 
 def launch(layout: str, size: str, threads: int) -> list[dict[str, Any]]:
     """The per-rank results of one fresh run of ``layout``."""
-    with tempfile.TemporaryDirectory() as folder:
-        command = [sys.executable, __file__, "--worker", layout, "--size", size, "--result-dir", folder]
-        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": str(Path(__file__).parents[1])}
-        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
-        if done.returncode != 0:
-            raise RuntimeError(f"{layout} run failed:\n{done.stderr[-3000:]}")
-        return [json.loads(p.read_text()) for p in sorted(Path(folder).glob("rank*.json"))]
+    return launch_worker(__file__, layout, size, threads)
 
 
 def largest_rank(ranks: list[dict[str, Any]], key: str) -> int:
@@ -153,9 +150,7 @@ def largest_rank(ranks: list[dict[str, Any]], key: str) -> int:
 
 def main() -> None:
     parser = base_parser("model_parallel", __doc__.splitlines()[0], pairs=1)
-    parser.add_argument("--worker", choices=list(LAYOUTS), help=argparse.SUPPRESS)
-    parser.add_argument("--size", choices=list(SIZES), default="full", help=argparse.SUPPRESS)
-    parser.add_argument("--result-dir", type=Path, help=argparse.SUPPRESS)
+    add_worker_flags(parser, LAYOUTS, SIZES)
     args = parser.parse_args()
     set_threads(args.threads)
     if args.worker:
