@@ -22,6 +22,7 @@ import os
 import socket
 import statistics
 import time
+import traceback
 from typing import Any
 
 import torch
@@ -30,6 +31,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from common import base_parser, machine_info, print_table, set_threads, write_json
 
+from lightning_train._compat import end_distributed_process
 from lightning_train.models.gpt import GPT, GPTConfig
 from lightning_train.strategies.pipeline import Pipeline, split_blocks, stage_model
 
@@ -89,8 +91,10 @@ def _pipeline_rank(rank: int, size: str, microbatches: int, port: int, results: 
                 seconds.append(time.perf_counter() - start)
         if rank == 0:
             results.put(seconds)
-    finally:
-        dist.destroy_process_group()
+    except BaseException:
+        traceback.print_exc()
+        end_distributed_process(1)
+    end_distributed_process(0)  # not interpreter teardown, where Gloo's threads can abort a finished rank
 
 
 def pipeline_step_seconds(size: str, microbatches: int) -> list[float]:
