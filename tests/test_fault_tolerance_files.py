@@ -22,6 +22,7 @@ from lightning_train.checkpoint import (
 )
 from lightning_train.checkpoint.format import (
     atomic_checkpoint_dir,
+    begin_checkpoint_dir,
     manifest_path,
     read_manifest,
 )
@@ -109,6 +110,25 @@ def test_newer_format_is_one_clear_error_and_stops_auto_resume(tmp_path: Path) -
     manifest_path(path).unlink()
     with pytest.raises(IncompatibleCheckpointError, match="upgrade lightning_train"):
         io.load_checkpoint(path)
+
+
+def test_ranks_touch_a_folder_checkpoint_only_after_the_writer_cleared_it(tmp_path: Path) -> None:
+    """The writer clears what an interrupted write left and creates the staging folder before the barrier;
+    the other ranks touch it only after. Before the fix they created it before the barrier too, and a rank
+    whose mkdir found the folder while the writer's rmtree removed it raised FileExistsError (a dp2 x pp2
+    CI run died of it)."""
+    final = tmp_path / "last.ckpt"
+    staging = final.with_name(".last.ckpt.partial")
+    seen_at_barrier = []
+    folder = begin_checkpoint_dir(final, is_writer=False, barrier=lambda: seen_at_barrier.append(staging.exists()))
+    assert seen_at_barrier == [False] and folder == staging and staging.is_dir()
+
+    (staging / "__0_0.distcp").write_bytes(b"stale")
+    seen_at_barrier.clear()
+    folder = begin_checkpoint_dir(
+        final, is_writer=True, barrier=lambda: seen_at_barrier.append(list(staging.iterdir()))
+    )
+    assert seen_at_barrier == [[]] and folder == staging and staging.is_dir()
 
 
 def test_checkpoint_folder_is_atomic_and_verified(tmp_path: Path) -> None:

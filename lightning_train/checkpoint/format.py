@@ -297,24 +297,30 @@ def write_manifest(checkpoint: Path, global_step: int | None, epoch: int | None,
 
 @contextmanager
 def atomic_checkpoint_dir(path: str | Path, global_step: int | None = None, epoch: int | None = None,
-                          is_writer: bool = True) -> Iterator[Path]:
+                          is_writer: bool = True, barrier: Callable[[], None] = lambda: None) -> Iterator[Path]:
     """Write a folder checkpoint atomically: yields the temporary folder to write into (for example
     ``torch.distributed.checkpoint.save(state, checkpoint_id=tmp)`` on every rank); afterwards the
-    writer rank fsyncs every file, adds ``manifest.json`` and renames the folder into place. The caller
+    writer rank fsyncs every file, adds ``manifest.json`` and renames the folder into place. With
+    several ranks, pass the process group's ``barrier`` (see ``begin_checkpoint_dir``). The caller
     must make sure all ranks finished writing before the block exits on the writer (``dcp.save`` does)."""
-    tmp = begin_checkpoint_dir(path, is_writer)
+    tmp = begin_checkpoint_dir(path, is_writer, barrier)
     yield tmp
     if is_writer:
         commit_checkpoint_dir(tmp, Path(path), global_step, epoch)
 
 
-def begin_checkpoint_dir(path: str | Path, is_writer: bool = True) -> Path:
-    """The empty temporary folder that the checkpoint folder ``path`` is written into (the writer rank
-    clears what an interrupted write left there)."""
+def begin_checkpoint_dir(path: str | Path, is_writer: bool = True,
+                         barrier: Callable[[], None] = lambda: None) -> Path:
+    """The empty temporary folder that the checkpoint folder ``path`` is written into; a collective
+    through ``barrier`` (every rank calls it). The writer rank clears what an interrupted write left
+    there and creates the folder before any other rank touches it: a rank that looked while the writer
+    was still clearing it saw a folder vanish under it (``FileExistsError`` from ``mkdir``)."""
     tmp = partial_path(path)
     if is_writer:
         _remove(tmp)
-    tmp.mkdir(parents=True, exist_ok=True)
+        tmp.mkdir(parents=True)
+    barrier()
+    tmp.mkdir(parents=True, exist_ok=True)  # where ranks do not share the writer's disk: their own
     return tmp
 
 

@@ -238,8 +238,7 @@ def save_sharded_checkpoint(
     state.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
     if writer is not None:
         writer.ready_for(step)  # the staging folder may be the one an earlier write is still committing
-    staging = begin_checkpoint_dir(path, is_writer)
-    barrier()  # the writer has cleared the staging folder before anyone writes into it
+    staging = begin_checkpoint_dir(path, is_writer, barrier)
     if is_writer:
         torch.save(checkpoint, staging / METADATA_FILENAME)
     if writer is None:
