@@ -120,7 +120,9 @@ def test_ranks_touch_a_folder_checkpoint_only_after_the_writer_cleared_it(tmp_pa
     final = tmp_path / "last.ckpt"
     staging = final.with_name(".last.ckpt.partial")
     seen_at_barrier = []
-    folder = begin_checkpoint_dir(final, is_writer=False, barrier=lambda: seen_at_barrier.append(staging.exists()))
+    folder = begin_checkpoint_dir(
+        final, is_writer=False, barrier=lambda: seen_at_barrier.append(staging.exists())
+    )
     assert seen_at_barrier == [False] and folder == staging and staging.is_dir()
 
     (staging / "__0_0.distcp").write_bytes(b"stale")

@@ -86,7 +86,9 @@ def test_layout_fits_an_80gb_gpu_and_ddp_does_not(config, meta_model):
     assert options["activation_checkpointing"] and trainer["precision"] == "bf16-mixed"
     estimate = estimate_layout(meta_model, activation_checkpointing=True, **layout)
     assert estimate.total_bytes <= MARGIN * H100
-    assert format_bytes(estimate.total_bytes) == "13.3 GiB"  # as the config's comment says
+    assert format_bytes(estimate.total_bytes) == "6.4 GiB"  # as the config's comment says
+    gathered = estimate_layout(meta_model, activation_checkpointing=True, loss_parallel=False, **layout)
+    assert format_bytes(gathered.total_bytes) == "13.3 GiB"  # whole logits on each of the 8 tp ranks
     without = estimate_layout(meta_model, **layout)  # no activation checkpointing: fits, with less room
     assert format_bytes(without.total_bytes) == "48.2 GiB" and without.total_bytes <= MARGIN * H100
     ddp = estimate_layout(meta_model, batch_size=batch_size, seq_len=seq_len, activation_checkpointing=True,
@@ -98,5 +100,5 @@ def test_layout_fits_an_80gb_gpu_and_ddp_does_not(config, meta_model):
         seq_len=seq_len, memory_bytes=H100, precision="bf16-mixed", activation_checkpointing=True,
         microbatches=options["microbatches"],
     )
-    assert plan.layout == "fsdp over 16 x pp 2 (16 microbatches)"
-    assert format_bytes(plan.per_device_bytes) == "25.3 GiB"
+    assert plan.layout == "fsdp over 4 x tp 8"
+    assert format_bytes(plan.per_device_bytes) == "45.7 GiB"

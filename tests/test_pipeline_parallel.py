@@ -91,7 +91,8 @@ LAYOUTS = {
 def test_pipeline_layouts_match_one_process(tmp_path, single, layout):
     """For 10 steps: losses (the mean over the global batch, on every rank) and gradient norms (the
     strategy's, over all stages, and GradNormMonitor's logged ones) to a relative 1e-5, validation loss
-    too, and the weights after 10 steps (the sharded checkpoint, consolidated) to 1e-5."""
+    too, and the weights after 10 steps (the sharded checkpoint, consolidated) to 1e-5 of each tensor's
+    norm."""
     devices, args = LAYOUTS[layout]
     single_root, reference = single
     reports, _ = _fit(
@@ -115,8 +116,10 @@ def test_pipeline_layouts_match_one_process(tmp_path, single, layout):
     weights = _weights(run / "checkpoints" / "last.ckpt", tmp_path / "export")
     expected = _weights(reference_run / "checkpoints" / "last.ckpt", tmp_path / "unused")
     assert set(weights) == set(expected)
-    for name, weight in weights.items():
-        torch.testing.assert_close(weight, expected[name], rtol=1e-5, atol=1e-6)
+    for name, weight in weights.items():  # per tensor, against its norm: AdamW makes a near-zero gradient
+        # element's fp32 rounding (another summation order, e.g. the vocab-parallel loss's) a whole step
+        difference = (weight - expected[name]).norm() / expected[name].norm()
+        assert difference < 1e-5, f"{name}: {difference:.1e}"
 
 
 def test_pipeline_under_amp_accumulation_and_activation_checkpointing(tmp_path):

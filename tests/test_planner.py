@@ -71,6 +71,19 @@ def test_tensor_parallel_takes_the_smallest_divisor_that_fits():
     assert plan.layout == "tp 8"  # nothing left to shard: no data parallelism
 
 
+def test_vocab_parallel_loss_splits_the_logits_in_the_estimate():
+    """With loss_parallel (ParallelStrategy's default) a tensor-parallel rank holds its share of the fp32
+    logits and their gradient; gathered, it holds them whole: the difference is exactly the other half."""
+    model, sizes = _model(), dict(tensor_parallel=2, batch_size=8, seq_len=16)
+    split = estimate_layout(model, **sizes).activation_bytes
+    gathered = estimate_layout(model, loss_parallel=False, **sizes).activation_bytes
+    logits = 2 * 8 * 16 * CONFIG.vocab_size * 4  # logits + gradient, fp32, whole
+    assert gathered - split == logits // 2
+    budget = _budget_for(estimate_layout(model, shard_size=2, **sizes).total_bytes)
+    assert _plan(budget).tensor_parallel == 2  # fits with the split logits ...
+    assert _plan(budget, loss_parallel=False).pipeline_parallel == 2  # ... not with whole ones
+
+
 def test_only_sizes_that_divide_are_planned():
     # n_kv_head=3: no tp of 2 or 4 divides it; n_layer=2: pp 4 has too few blocks; 2 nodes of 2 devices
     config = GPTConfig(vocab_size=320, block_size=16, n_layer=2, n_head=6, n_kv_head=3, n_embd=48)
@@ -114,8 +127,9 @@ def test_tensor_parallel_splits_matrices_and_sequence_parallel_activations():
     matrices = sum(p.numel() for p in model.parameters() if p.dim() >= 2)
     vectors = sum(p.numel() for p in model.parameters() if p.dim() < 2)  # norm weights: kept whole
     assert tp2.state_bytes == 16 * (matrices // 2 + vectors)  # fp32 weights, grads, AdamW's two moments
-    logits = 2 * 16 * 8 * CONFIG.vocab_size * 4  # all-gathered over the vocabulary: whole on each rank
-    assert tp2.activation_bytes - logits == pytest.approx((whole.activation_bytes - logits) / 2, abs=1)
+    # sequence parallelism halves the blocks' activations, the vocab-parallel loss the logits
+    assert tp2.activation_bytes == pytest.approx(whole.activation_bytes / 2, abs=1)
+    logits = 2 * 16 * 8 * CONFIG.vocab_size * 4  # fp32 logits and their gradient
     per_layer = layer_activation_bytes(CONFIG, 8, 16)  # Korthikanti et al.'s count, in fp32
     assert whole.activation_bytes == int(CONFIG.n_layer * per_layer + logits)
 
@@ -199,7 +213,7 @@ def test_cli_refuses_a_model_no_layout_fits_before_any_process_starts(tmp_path):
 
 
 def test_cli_plans_tensor_parallel_on_two_ranks_and_trains(tmp_path):
-    # 1.5 MiB: ddp (~1.6 MB) and fsdp over 2 (~1.4 MB) need more than 80% of it, tp 2 (~0.95 MB) fits
+    # 1.5 MiB: ddp (~1.6 MB) and fsdp over 2 (~1.4 MB) need more than 80% of it, tp 2 (~0.8 MB) fits
     done = run_cli(
         "fit", *TINY_ARGS, "--trainer.strategy.memory_budget_gb=0.0015",
         f"--trainer.default_root_dir={tmp_path / 'run'}", cwd=tmp_path, env=cli_env(), timeout=180,

@@ -52,33 +52,74 @@ def _config(tmp_path: Path) -> str:
     return str(tmp_path / "tp.yaml")
 
 
-def test_tensor_parallel_matches_one_process(tmp_path):
+@pytest.fixture(scope="module")
+def single(tmp_path_factory) -> tuple[Path, dict]:
+    """The one-process reference run: its folder and its probe report."""
+    tmp_path = tmp_path_factory.mktemp("single")
+    config = _config(tmp_path)
+    [report], _ = _fit(tmp_path, "single", "--config", config, "--trainer.devices=1", GRAD_NORM_MONITOR)
+    return tmp_path / "single", report
+
+
+@pytest.mark.parametrize("loss_parallel", [True, False], ids=["vocab-parallel-loss", "gathered-logits"])
+def test_tensor_parallel_matches_one_process(tmp_path, single, loss_parallel):
     """tp=2 on 2 ranks, both reading the whole global batch of 8: the one-process losses to 1e-5 and
     gradient norms (strategy.clip_grad_norm_, what clipping uses, and GradNormMonitor's logged
     health/grad_norm) to 1e-5 at each of 10 steps, and its sharded checkpoint consolidates to the
-    one-process weights."""
+    one-process weights. With loss_parallel (the default) each rank holds only its half of the
+    vocabulary's logits; without, the whole logits."""
     config = _config(tmp_path)
-    [single], _ = _fit(tmp_path, "single", "--config", config, "--trainer.devices=1", GRAD_NORM_MONITOR)
-    tp, _ = _fit(tmp_path, "tp", "--config", config, "--trainer.devices=2", *TP, GRAD_NORM_MONITOR)
+    single_root, single = single
+    tp, _ = _fit(
+        tmp_path, "tp", "--config", config, "--trainer.devices=2", *TP, GRAD_NORM_MONITOR,
+        f"--trainer.strategy.loss_parallel={str(loss_parallel).lower()}",
+    )
     assert [r["world_size"] for r in tp] == [2, 2] and min(single["grad_norms"]) > 0.5
+    whole = [8, 16, 64]  # batch, sequence, vocabulary
     for report in tp:
+        expected = {"dtensor": True, "shape": whole, "local_shape": [8, 16, 32], "placements": ["S(2)"]}
+        assert report["logits"] == (expected if loss_parallel else {
+            "dtensor": False, "shape": whole, "local_shape": whole, "placements": []
+        })
         assert report["initial_weights"] == single["initial_weights"]
         torch.testing.assert_close(report["losses"], single["losses"], rtol=1e-5, atol=0)
         torch.testing.assert_close(report["grad_norms"], single["grad_norms"], rtol=1e-5, atol=0)
     # the sequence-parallel norms' Partial gradients are summed before the callbacks read them
     logged = _logged_grad_norms(tmp_path / "tp")
     assert len(logged) == 10
-    assert logged == pytest.approx(_logged_grad_norms(tmp_path / "single"), rel=1e-5)
+    assert logged == pytest.approx(_logged_grad_norms(single_root), rel=1e-5)
     # the sharded checkpoint of the tp run (DCP, canonical names and layout) holds the one-process weights
     consolidate(str(tmp_path / "tp" / "checkpoints" / "last.ckpt"), str(tmp_path / "export"))
     exported = load_file(tmp_path / "export" / "model.safetensors")
-    single_file = tmp_path / "single" / "checkpoints" / "last.ckpt"
+    single_file = single_root / "checkpoints" / "last.ckpt"
     reference = torch.load(single_file, weights_only=False)["state_dict"]
     assert set(exported) == {name.removeprefix("model.") for name in reference}
     for name, weight in exported.items():
         torch.testing.assert_close(weight, reference["model." + name], rtol=1e-4, atol=1e-6)
     # each rank holds half of the sharded weights: the parameter bytes are about half of one process's
     assert 0.45 < tp[0]["memory"]["param_bytes"] / single["memory"]["param_bytes"] < 0.65
+
+
+def test_a_loss_vocab_parallel_cannot_take_is_one_line_naming_loss_parallel_false(tmp_path):
+    """Label smoothing (the README's subclass) on logits sharded by vocabulary: one error line, exit 2,
+    naming the fix; with loss_parallel=false the same module trains on the gathered logits."""
+    config = _config(tmp_path)
+    args = [
+        "fit", "--config", config, "--trainer.devices=2", *TP, "--trainer.max_steps=2",
+        "--model.class_path=strategy_probe.LabelSmoothedPretrain",
+    ]
+    bad = tmp_path / "bad"
+    done = run_cli(*args, f"--trainer.default_root_dir={bad}", cwd=tmp_path, env=ENV, timeout=180)
+    assert done.returncode == 2, done.stderr[-3000:]
+    errors = {line for line in done.stderr.splitlines() if line.startswith("error:")}  # the same on each rank
+    assert len(errors) == 1, done.stderr[-3000:]
+    assert "LabelSmoothedPretrain.compute_loss failed on logits sharded by vocabulary" in errors.pop()
+    assert "trainer.strategy.loss_parallel=false" in done.stderr and "Traceback" not in done.stderr
+    done = run_cli(
+        *args, "--trainer.strategy.loss_parallel=false", f"--trainer.default_root_dir={tmp_path / 'good'}",
+        cwd=tmp_path, env=ENV, timeout=180,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
 
 
 @pytest.mark.parametrize(

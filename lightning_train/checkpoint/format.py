@@ -296,8 +296,10 @@ def write_manifest(checkpoint: Path, global_step: int | None, epoch: int | None,
 
 
 @contextmanager
-def atomic_checkpoint_dir(path: str | Path, global_step: int | None = None, epoch: int | None = None,
-                          is_writer: bool = True, barrier: Callable[[], None] = lambda: None) -> Iterator[Path]:
+def atomic_checkpoint_dir(
+    path: str | Path, global_step: int | None = None, epoch: int | None = None, is_writer: bool = True,
+    barrier: Callable[[], None] = lambda: None,
+) -> Iterator[Path]:
     """Write a folder checkpoint atomically: yields the temporary folder to write into (for example
     ``torch.distributed.checkpoint.save(state, checkpoint_id=tmp)`` on every rank); afterwards the
     writer rank fsyncs every file, adds ``manifest.json`` and renames the folder into place. With

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torchmetrics import MeanMetric
 
 from lightning_train.checkpoint import open_pretrained, save_safetensors
@@ -214,7 +215,9 @@ class FinetuneModule(PretrainModule):
             return
         if count == 0:
             return
-        self.val_loss.update(self.compute_loss(logits, labels), weight=count)
+        self.val_loss.update(self._loss(logits, labels), weight=count)
+        if isinstance(logits, DTensor):  # sharded by vocabulary (tensor parallelism): the argmax needs all
+            logits = logits.full_tensor()
         correct = ((logits.argmax(dim=-1) == labels) & scored).sum()
         self.val_token_accuracy.update(correct / count, weight=count)
 

@@ -17,6 +17,7 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torchmetrics import MeanMetric
 
 from lightning_train._compat import attached_trainer
@@ -113,7 +114,9 @@ class PretrainModule(L.LightningModule):
         return GPT(self.config)
 
     def compute_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Mean next-token cross-entropy over the labels that are not -100."""
+        """Mean next-token cross-entropy over the labels that are not -100. Under tensor parallelism the
+        logits are a DTensor sharded by vocabulary (``ParallelStrategy(loss_parallel=True)``, the default),
+        and ``F.cross_entropy`` of them runs vocab-parallel."""
         return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100)
 
     def configure_param_groups(self) -> list[dict[str, Any]]:
@@ -203,11 +206,11 @@ class PretrainModule(L.LightningModule):
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         pipeline = self._pipeline()
         if pipeline is None:
-            loss = self.compute_loss(self(batch["input_ids"]), batch["labels"])
+            loss = self._loss(self(batch["input_ids"]), batch["labels"])
         else:  # the strategy's schedule runs forward and backward of every microbatch (loss detached)
             accumulation = self.trainer.accumulate_grad_batches
             loss = pipeline.train_step(
-                batch["input_ids"], batch["labels"], self.compute_loss, accumulation, scale=self._scale_loss,
+                batch["input_ids"], batch["labels"], self._loss, accumulation, scale=self._scale_loss,
                 starts_step=batch_idx % accumulation == 0, ends_step=self._ends_step(batch_idx),
             )
         self._log_train_loss(loss, batch["labels"], batch_idx)
@@ -252,9 +255,27 @@ class PretrainModule(L.LightningModule):
         scaler = getattr(self.trainer.precision_plugin, "scaler", None)  # fp16's GradScaler
         return scaler.scale(loss) if scaler is not None else loss
 
+    def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """``compute_loss`` as a plain tensor. A vocab-parallel loss is a replicated DTensor: every rank of
+        the tensor-parallel group holds the whole value, so its local tensor is the loss (and backward
+        through it stays in the DTensor graph)."""
+        try:
+            loss = self.compute_loss(logits, labels)
+        except RuntimeError as error:
+            if not isinstance(logits, DTensor):
+                raise
+            raise UserInputError(
+                f"{type(self).__name__}.compute_loss failed on logits sharded by vocabulary (tensor "
+                f"parallelism's vocab-parallel loss): {str(error).splitlines()[0]}; compute it with "
+                "F.cross_entropy (torch's loss_parallel has no label_smoothing), or set "
+                "trainer.strategy.loss_parallel=false to get the whole logits"
+            ) from error
+        return loss.to_local() if isinstance(loss, DTensor) else loss
+
     def logits(self, input_ids: torch.Tensor) -> torch.Tensor | None:
         """The model's logits for ``input_ids``, without backward; under pipeline parallelism the
-        forward schedule's, on the ranks of the last stage (None on the others)."""
+        forward schedule's, on the ranks of the last stage (None on the others); under tensor parallelism
+        a DTensor sharded by vocabulary (``full_tensor()`` gathers it)."""
         pipeline = self._pipeline()
         return self(input_ids) if pipeline is None else pipeline.forward(input_ids)
 
@@ -285,13 +306,14 @@ class PretrainModule(L.LightningModule):
             for metric in [self.val_loss, *(self.val_source_loss or {}).values()]:
                 metric.update(torch.zeros((), device=labels.device), weight=0)  # synced states, no warning
             return
-        loss = self.compute_loss(logits, labels)
+        loss = self._loss(logits, labels)
         self.val_loss.update(loss, weight=(labels != -100).sum())
         if "source" in batch and self.val_source_loss is not None:
             for index, metric in enumerate(self.val_source_loss.values()):
-                rows = batch["source"] == index  # every rank updates every metric: they sync together
-                weight = (labels[rows] != -100).sum()
-                value = self.compute_loss(logits[rows], labels[rows]) if weight else loss  # weight 0: no-op
+                # the other sources' labels ignored, not their rows cut out: sharded logits stay as they are
+                source_labels = labels.masked_fill((batch["source"] != index)[:, None], -100)
+                weight = (source_labels != -100).sum()  # every rank updates every metric: they sync together
+                value = self._loss(logits, source_labels) if weight else loss  # weight 0: no-op
                 metric.update(value, weight=weight)
 
     def on_validation_epoch_end(self) -> None:

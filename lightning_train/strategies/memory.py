@@ -146,9 +146,11 @@ def _stage_activation_bytes(
     tensor_parallel: int = 1,
     in_flight: float = 1.0,
     last: bool = True,
+    loss_parallel: bool = True,
 ) -> float:
     """Activations of ``layers`` blocks for ``in_flight`` microbatches of ``micro_batch`` sequences held at
-    once, plus the logits on the stage that computes the head (``last``)."""
+    once, plus the logits on the stage that computes the head (``last``): split by vocabulary over the
+    tensor-parallel ranks with ``loss_parallel``, else whole on each."""
     per_layer = layer_activation_bytes(config, micro_batch, seq_len, dtype, tensor_parallel)
     if checkpointing:  # keep each block's input (sequence-parallel: 1/t of it), recompute one block at a time
         bits = torch.finfo(dtype).bits
@@ -156,8 +158,9 @@ def _stage_activation_bytes(
         held = layers * in_flight * block_input + per_layer
     else:
         held = layers * in_flight * per_layer
-    # fp32 logits and their gradient; all-gathered over the vocabulary, so whole on every TP rank
-    logits = 2 * seq_len * micro_batch * config.vocab_size * 4 * in_flight if last else 0
+    # fp32 logits and their gradient
+    vocab = config.vocab_size / tensor_parallel if loss_parallel else config.vocab_size
+    logits = 2 * seq_len * micro_batch * vocab * 4 * in_flight if last else 0
     return held + logits
 
 
@@ -215,6 +218,7 @@ def estimate_layout(
     activation_checkpointing: bool = False,
     activation_dtype: torch.dtype = torch.float32,
     state_dtype: torch.dtype | None = None,
+    loss_parallel: bool = True,
 ) -> LayoutEstimate:
     """Per-device bytes of ``model`` (a ``GPT`` for ``tensor_parallel`` or ``pipeline_parallel`` > 1; the
     meta device will do) trained with AdamW under one layout: the pipeline rank that holds the most.
@@ -223,7 +227,8 @@ def estimate_layout(
     the first and the last stage), every matrix divided by ``tensor_parallel`` (norm weights and biases
     counted whole), all of it by ``shard_size``; in ``state_dtype``, or the parameters' own. Activations:
     ``layer_activation_bytes`` of ``batch_size / microbatches`` sequences per block and microbatch in
-    flight (``_in_flight``), divided by ``tensor_parallel`` (sequence parallelism)."""
+    flight (``_in_flight``), divided by ``tensor_parallel`` (sequence parallelism); the last stage's fp32
+    logits and their gradient too, split by vocabulary with ``loss_parallel`` (``ParallelStrategy``'s)."""
     t, p = tensor_parallel, pipeline_parallel
     transformer = find_transformer(model)
     config = getattr(transformer, "config", None)
@@ -248,6 +253,7 @@ def estimate_layout(
             activations = _stage_activation_bytes(
                 config, len(blocks), batch_size / microbatches, seq_len, activation_checkpointing,
                 activation_dtype, t, _in_flight(schedule, rank, p, virtual_stages, microbatches), last,
+                loss_parallel,
             )
         estimate = LayoutEstimate(t, p, shard_size, int(state), int(gathered), int(activations), rank)
         if fullest is None or estimate.total_bytes > fullest.total_bytes:

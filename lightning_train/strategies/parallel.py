@@ -15,6 +15,7 @@ and all stages of one pipeline, read the same batch. The plans for the GPT live 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -42,6 +43,7 @@ from lightning_train.strategies.tensor_parallel import (
     apply_tensor_parallel,
     check_tensor_parallel,
     reduce_partial_grads,
+    vocab_parallel_loss,
 )
 
 
@@ -90,6 +92,11 @@ class ParallelStrategy(DataParallelStrategy):
         virtual_stages: stages per rank, for ``Interleaved1F1B`` (>= 2), else 1.
         pipeline_split_points: the block indices where stages 2, 3, ... start; None: balanced by
             parameters.
+        loss_parallel: with ``tensor_parallel`` > 1, keep the logits sharded by vocabulary and compute the
+            cross-entropy vocab-parallel (no rank holds the whole ``batch x seq x vocab`` logits or their
+            gradient); the model's forward then returns a ``Shard(-1)`` DTensor, which the modules'
+            ``compute_loss`` takes as it is (``F.cross_entropy``). False: the logits are gathered whole on
+            every rank, for a ``compute_loss`` that needs plain tensors.
         **kwargs: the options of ``DataParallelStrategy``. With model parallelism, ``sharding`` ``"auto"``
             is ``"fsdp"`` (FSDP2 over the data-parallel ranks, when there are several; checkpoints are
             sharded folders); ``"ddp"`` is refused.
@@ -112,6 +119,7 @@ class ParallelStrategy(DataParallelStrategy):
         pipeline_schedule: Literal["1F1B", "GPipe", "Interleaved1F1B"] = "1F1B",
         virtual_stages: int = 1,
         pipeline_split_points: Sequence[int] | None = None,
+        loss_parallel: bool = True,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -128,6 +136,7 @@ class ParallelStrategy(DataParallelStrategy):
         self.pipeline_schedule, self.virtual_stages = pipeline_schedule, virtual_stages
         self.pipeline_split_points = None if pipeline_split_points is None else list(pipeline_split_points)
         self._given_microbatches = microbatches
+        self.loss_parallel = loss_parallel
         self.pipeline: Pipeline | None = None  # built in setup when pipeline_parallel > 1
         self._stage_ids: list[int] = []  # this rank's pipeline stages
         self._stage_views: list[torch.nn.Module] = []  # the model each of them runs
@@ -220,7 +229,7 @@ class ParallelStrategy(DataParallelStrategy):
             self.num_nodes * self.num_processes, self.num_processes, getattr(datamodule, "batch_size", None),
             getattr(datamodule, "seq_len", None), self.memory_budget_bytes(), self._precision_name,
             self.activation_checkpointing, self.replicate_size, self._given_microbatches,
-            self.pipeline_schedule, self.virtual_stages,
+            self.pipeline_schedule, self.virtual_stages, loss_parallel=self.loss_parallel,
         )
         rank_zero_info(f"ParallelStrategy(tensor_parallel='auto') chose {plan.describe()}")
         self.sharding, self.tensor_parallel, self.pipeline_parallel = (
@@ -243,7 +252,7 @@ class ParallelStrategy(DataParallelStrategy):
             model = self._keep_own_stages(module, model)
         if self.tensor_parallel > 1:
             for part in self._stage_views or [model]:
-                apply_tensor_parallel(part, self.device_mesh["tp"])
+                apply_tensor_parallel(part, self.device_mesh["tp"], self.loss_parallel)
 
     def _keep_own_stages(self, module: pl.LightningModule, model: torch.nn.Module) -> torch.nn.Module:
         """Replace the GPT by what this rank's stages hold (``pipeline.stage_model``); the rest is freed."""
@@ -297,6 +306,22 @@ class ParallelStrategy(DataParallelStrategy):
         return group  # None on the ranks of the middle stages
 
     # ---- the step -----------------------------------------------------------------------------------
+    def _loss_context(self) -> AbstractContextManager:
+        """Around every step and backward: the vocab-parallel cross-entropy where the logits are sharded."""
+        return vocab_parallel_loss() if self.tensor_parallel > 1 and self.loss_parallel else nullcontext()
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._loss_context():  # a pipeline schedule runs backward in here too
+            return super().training_step(*args, **kwargs)
+
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._loss_context():
+            return super().validation_step(*args, **kwargs)
+
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._loss_context():
+            return super().test_step(*args, **kwargs)
+
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
         if self.pipeline is None:
             return super().clip_grad_norm_(max_norm, norm_type)
@@ -313,7 +338,8 @@ class ParallelStrategy(DataParallelStrategy):
 
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
         if self.pipeline is None:
-            return super().backward(closure_loss, optimizer, *args, **kwargs)
+            with self._loss_context():
+                return super().backward(closure_loss, optimizer, *args, **kwargs)
         # the pipeline schedule ran every microbatch's backward in training_step; the hooks still run once
         module = self.lightning_module
         self.pre_backward(closure_loss)

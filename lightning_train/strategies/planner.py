@@ -88,6 +88,7 @@ def plan_layout(
     pipeline_schedule: str = "1F1B",
     virtual_stages: int = 1,
     margin: float = 0.8,
+    loss_parallel: bool = True,
 ) -> LayoutPlan:
     """The first layout (module doc) whose per-device estimate fits ``margin`` of ``memory_bytes``.
 
@@ -104,7 +105,7 @@ def plan_layout(
         replicate_size: HSDP replica groups; FSDP shards over ``data_parallel / replicate_size``.
         microbatches: pipeline microbatches (None: ``2 x stages``, or ``stages`` where that does not
             divide ``batch_size``).
-        pipeline_schedule, virtual_stages: as ``ParallelStrategy``'s.
+        pipeline_schedule, virtual_stages, loss_parallel: as ``ParallelStrategy``'s.
 
     Raises ``UserInputError`` (one line naming the sizes and the fix) when ``world_size`` is not a
     multiple of ``devices_per_node`` or no layout fits.
@@ -143,7 +144,7 @@ def plan_layout(
         shard_size = data_parallel // replicate_size if sharding == "fsdp" else 1
         estimate = estimate_layout(
             model, tp, pp, shard_size, batch_size, seq_len, micro or 1, pipeline_schedule, virtual_stages,
-            activation_checkpointing, activation_dtype, state_dtype,
+            activation_checkpointing, activation_dtype, state_dtype, loss_parallel,
         )
         plan = LayoutPlan(sharding, tp, pp, data_parallel, micro, estimate, memory_bytes, margin)
         if plan.per_device_bytes <= margin * memory_bytes:

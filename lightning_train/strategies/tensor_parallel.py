@@ -9,9 +9,11 @@ its state-dict names do not change:
   all-gathered before attention and the MLP, reduce-scattered after them);
 - attention split by heads: the fused ``qkv`` projection column-wise per head group (below), the
   output projection row-wise; the MLP column-wise (gate, up) then row-wise (down);
-- the output head column-wise (vocabulary split), its logits all-gathered so the loss is the ordinary
-  ``cross_entropy`` of a single process (vocab-parallel loss is not used: Lightning runs backward
-  outside the ``loss_parallel`` context it would need).
+- the output head column-wise (vocabulary split). With ``loss_parallel`` (the default) its logits stay
+  sharded by vocabulary, a ``Shard(-1)`` DTensor, and ``cross_entropy`` runs vocab-parallel inside
+  ``vocab_parallel_loss()`` (torch's ``loss_parallel``: a max, a sum and the target's logit are
+  all-reduced instead of the logits being gathered), which ``ParallelStrategy`` enters around each
+  step and each backward; without it they are all-gathered and the loss is a single process's.
 
 The fused ``qkv`` weight stacks all query heads, then all key heads, then all value heads, so a plain
 column split would hand rank 0 the queries and rank 1 the keys and values. Its parameter stays an
@@ -22,6 +24,8 @@ heads, and backward reduce-scatters the gradient (one weight all-gather per bloc
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -35,6 +39,7 @@ from torch.distributed.tensor.parallel import (
     PrepareModuleInput,
     RowwiseParallel,
     SequenceParallel,
+    loss_parallel,
     parallelize_module,
 )
 
@@ -98,14 +103,21 @@ class HeadParallelQKV(ParallelStyle):
         return module
 
 
-def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
-    """Shard ``model`` (a ``GPT``) over ``tp_mesh`` in place, with sequence parallelism (module doc)."""
+def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, vocab_parallel_logits: bool = True) -> None:
+    """Shard ``model`` (a ``GPT``) over ``tp_mesh`` in place, with sequence parallelism (module doc).
+    ``vocab_parallel_logits``: the model returns its logits as a DTensor sharded by vocabulary (for
+    ``vocab_parallel_loss``), else gathered whole."""
     config, size = model.config, tp_mesh.size()
     check_tensor_parallel(size, config)
+    head = (
+        ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)
+        if vocab_parallel_logits
+        else ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())
+    )
     outer = {  # a pipeline stage holds some of these only (pipeline.stage_model)
         "embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
         "norm": SequenceParallel(),
-        "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+        "lm_head": head,
     }
     held = {name: style for name, style in outer.items() if getattr(model, name) is not None}
     parallelize_module(model, tp_mesh, held)
@@ -157,3 +169,17 @@ def match_grad_placement(param: nn.Parameter) -> None:
     grad = param.grad
     if isinstance(grad, DTensor) and grad.placements != param.placements:
         param.grad = grad.redistribute(param.device_mesh, param.placements)
+
+
+@contextmanager
+def vocab_parallel_loss() -> Iterator[None]:
+    """``cross_entropy`` of logits sharded by vocabulary (a ``Shard`` DTensor) computed without gathering
+    them, in forward and in backward (torch's ``loss_parallel``, which must be active for both). Unlike
+    torch's context it is left on an exception too, so a failed step does not leave DTensor's loss
+    handlers installed for the next one."""
+    context = loss_parallel()
+    context.__enter__()
+    try:
+        yield
+    finally:
+        context.__exit__(None, None, None)

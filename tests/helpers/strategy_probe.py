@@ -16,8 +16,10 @@ from typing import Any
 import lightning as L
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
+from lightning_train import PretrainModule
 from lightning_train.strategies.memory import measured_state_bytes
 
 
@@ -60,6 +62,14 @@ def _mean_over_ranks(value: torch.Tensor) -> float:
     return value.item()
 
 
+class LabelSmoothedPretrain(PretrainModule):
+    """The README's subclassing example: a loss that torch's vocab-parallel cross-entropy cannot take."""
+
+    def compute_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100,
+                               label_smoothing=0.1)
+
+
 class StrategyProbe(L.Callback):
     def __init__(self, output_dir: str) -> None:
         self.output_dir = Path(output_dir)
@@ -68,12 +78,25 @@ class StrategyProbe(L.Callback):
         self._pending = 0.0
         self.micro_steps: list[dict[str, Any]] = []
         self.memory: dict[str, int] = {}
+        self.logits: dict[str, Any] | None = None
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         # initial weights, gathered to full tensors: equal across strategies for the same seed
         params = [p.detach() for p in pl_module.parameters()]
         full = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in params]
         self.initial_weights = [[float(w.double().sum()), float(w.double().norm())] for w in full]
+        head = next((m for name, m in pl_module.named_modules() if name.endswith("lm_head")), None)
+        if head is not None:  # a pipeline's middle stages have none
+            head.register_forward_hook(self._record_logits)
+
+    def _record_logits(self, module: Any, args: Any, logits: torch.Tensor) -> None:
+        """The logits' layout in training: whole, or this rank's DTensor shard (tensor parallelism)."""
+        local = logits.to_local() if hasattr(logits, "to_local") else logits
+        self.logits = {
+            "dtensor": hasattr(logits, "to_local"), "shape": list(logits.shape),
+            "local_shape": list(local.shape),
+            "placements": [str(p) for p in getattr(logits, "placements", ())],
+        }
 
     def on_after_backward(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         model = trainer.strategy.model
@@ -124,6 +147,7 @@ class StrategyProbe(L.Callback):
             "registered_comm_hook": getattr(strategy, "registered_comm_hook", None),
             "micro_steps": self.micro_steps,
             "memory": self.memory,
+            "logits": self.logits,
         }
         self.output_dir.mkdir(parents=True, exist_ok=True)
         (self.output_dir / f"rank{trainer.global_rank}.json").write_text(json.dumps(report, indent=1))
