@@ -28,6 +28,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +45,7 @@ from lightning_train.strategies.tensor_parallel import (
     apply_tensor_parallel,
     check_tensor_parallel,
     reduce_partial_grads,
+    vocab_parallel_loss,
 )
 
 LLAMA3_8B = {"vocab_size": 128256, "n_head": 32, "n_kv_head": 8, "n_embd": 4096, "intermediate_size": 14336,
@@ -116,16 +118,19 @@ def train(
             synchronize(device)
             start = clock()
         optimizer.zero_grad(set_to_none=True)  # here, not after the step: the last gradients get counted
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            logits = model(tokens[step, :, :-1])
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[step, :, 1:].flatten())
-        loss.backward()
+        # as ParallelStrategy: logits sharded by vocabulary under tp, the loss and its backward vocab-parallel
+        with vocab_parallel_loss() if dist.get_world_size() > 1 else nullcontext():
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                logits = model(tokens[step, :, :-1])
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[step, :, 1:].flatten())
+            loss.backward()
         reduce_partial_grads(model)  # the sequence-parallel norms' gradients, as ParallelStrategy does
         optimizer.step()
     synchronize(device)
     seconds = per_step(start, clock(), args.steps)["wall"]
+    last_loss = loss.full_tensor() if hasattr(loss, "full_tensor") else loss  # a replicated DTensor under tp
     return {"seconds_per_step": seconds, "tokens_per_second": args.batch_size * args.seq_len / seconds,
-            "last_loss": loss.item(), "peak_memory_bytes": torch.cuda.max_memory_allocated(device)}
+            "last_loss": last_loss.item(), "peak_memory_bytes": torch.cuda.max_memory_allocated(device)}
 
 
 def launch(tp: int, args: argparse.Namespace, folder: str) -> dict[str, Any]:
