@@ -45,6 +45,21 @@ def test_prompt_tokens_carry_no_loss_and_padding_is_ignored(tmp_path):
     assert batch["input_ids"].shape[1] == longest  # padded to the longest example
 
 
+def test_batches_pad_to_a_multiple_for_sequence_parallelism(tmp_path):
+    """pad_to_multiple_of (by default the Trainer's tensor_parallel size: sequence parallelism splits every
+    sequence into that many parts) rounds the padded width up; a seq_len it does not divide is one error."""
+    rows = [{"prompt": "Q: 2+2?\nA: ", "response": "4"}, {"prompt": "Q: hi\nA: ", "response": "hello"}]
+    longest = max(len(r["prompt"] + r["response"]) for r in rows)  # 14: the batch's width without a multiple
+    data = data_module(tmp_path, rows, batch_size=2, seq_len=64, pad_to_multiple_of=8)
+    batch = next(iter(data.val_dataloader()))
+    assert longest % 8 and batch["input_ids"].shape[1] == batch["labels"].shape[1] == 16
+    assert (batch["labels"][:, longest:] == -100).all()
+    with pytest.raises(UserInputError, match=r"data.seq_len=63 does not divide by 8, the multiple batches"):
+        data_module(tmp_path, rows, batch_size=2, seq_len=63, pad_to_multiple_of=8).val_dataloader()
+    with pytest.raises(UserInputError, match="pad_to_multiple_of=0 must be at least 1"):
+        SFTDataModule(pad_to_multiple_of=0)
+
+
 def test_chat_template_trains_assistant_turns_only(tmp_path):
     rows = [{"messages": [
         {"role": "system", "content": "Be brief."},

@@ -9,8 +9,9 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from lightning_train.checkpoint import consolidate
-from tests.conftest import run_cli
+from lightning_train.checkpoint import consolidate, save_safetensors
+from lightning_train.models.gpt import GPT, GPTConfig
+from tests.conftest import REPO, run_cli
 from tests.test_strategy_multiprocess import ENV, _fit
 
 pytestmark = pytest.mark.slow
@@ -120,6 +121,30 @@ def test_a_loss_vocab_parallel_cannot_take_is_one_line_naming_loss_parallel_fals
         cwd=tmp_path, env=ENV, timeout=180,
     )
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_finetune_validates_under_tensor_parallelism_as_one_process(tmp_path):
+    """FinetuneModule under tp=2: the vocab-parallel val/loss and the token accuracy (its argmax gathers
+    the logits) equal one process's; exact match, which generates, is skipped with a warning."""
+    torch.manual_seed(0)
+    start = save_safetensors(GPT(GPTConfig(vocab_size=258, block_size=64, n_layer=1, n_head=2, n_embd=32)),
+                             tmp_path / "start")
+    args = [
+        "fit", "--config", str(REPO / "configs" / "finetune-tiny.yaml"), "--model.init_from", str(start),
+        "--trainer.max_steps=2", "--trainer.val_check_interval=2", "--trainer.limit_val_batches=2",
+        "--data.eval_prompts=4", "--data.batch_size=8",
+    ]
+    metrics = {}
+    for name, layout in {"single": ["--trainer.devices=1"], "tp": ["--trainer.devices=2", *TP]}.items():
+        done = run_cli(*args, *layout, f"--trainer.default_root_dir={tmp_path / name}", cwd=tmp_path, env=ENV,
+                       timeout=240)
+        assert done.returncode == 0, done.stderr[-3000:]
+        with open(tmp_path / name / "version_0" / "metrics.csv") as f:
+            metrics[name] = [row for row in csv.DictReader(f) if row.get("val/loss")][-1]
+        skipped = "val/exact_match is not computed under tensor or pipeline parallelism" in done.stderr
+        assert skipped == (name == "tp") and bool(metrics[name].get("val/exact_match")) == (name == "single")
+    for key in ("val/loss", "val/token_accuracy"):
+        assert float(metrics["tp"][key]) == pytest.approx(float(metrics["single"][key]), rel=1e-5), key
 
 
 @pytest.mark.parametrize(

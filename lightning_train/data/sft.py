@@ -140,13 +140,14 @@ class SFTExamples(Dataset):
 
 
 class PadCollate:
-    """Right-pads a list of examples to the longest one: ``pad_id`` inputs, -100 labels."""
+    """Right-pads a list of examples to the longest one, rounded up to a multiple of ``multiple``:
+    ``pad_id`` inputs, -100 labels."""
 
-    def __init__(self, pad_id: int) -> None:
-        self.pad_id = pad_id
+    def __init__(self, pad_id: int, multiple: int = 1) -> None:
+        self.pad_id, self.multiple = pad_id, multiple
 
     def __call__(self, batch: list[dict[str, list[int]]]) -> dict[str, torch.Tensor]:
-        width = max(len(example["input_ids"]) for example in batch)
+        width = -(-max(len(example["input_ids"]) for example in batch) // self.multiple) * self.multiple
         input_ids = torch.full((len(batch), width), self.pad_id, dtype=torch.long)
         labels = torch.full((len(batch), width), -100, dtype=torch.long)
         for row, example in enumerate(batch):
@@ -170,6 +171,9 @@ class SFTDataModule(ResumableDataModule):
         eval_prompts: held-out prompts whose greedy generations are scored by exact match.
         seed: seeds the example order (epoch ``e`` uses the permutation for ``(seed, e)``) and the split.
         num_workers: data-loading processes per device.
+        pad_to_multiple_of: batches are padded to a multiple of this many tokens; None: the Trainer's
+            ``tensor_parallel`` size (sequence parallelism splits every sequence into that many parts),
+            else 1. ``seq_len`` must divide by it.
 
     Example (only the response and its eos carry loss):
 
@@ -202,6 +206,7 @@ class SFTDataModule(ResumableDataModule):
         eval_prompts: int = 64,
         seed: int = 1234,
         num_workers: int = 0,
+        pad_to_multiple_of: int | None = None,
     ) -> None:
         super().__init__()
         if not 0 < val_fraction < 1:
@@ -209,6 +214,7 @@ class SFTDataModule(ResumableDataModule):
         check_at_least(
             ("seq_len", seq_len, 1), ("batch_size", batch_size, 1),
             ("eval_prompts", eval_prompts, 0), ("num_workers", num_workers, 0),
+            ("pad_to_multiple_of", 1 if pad_to_multiple_of is None else pad_to_multiple_of, 1),
         )  # fmt: skip
         # No tokenizer given means the model's: recorded by the model alone, since Lightning refuses a
         # `tokenizer` key of model and data that differ (None here, "byte" there).
@@ -268,4 +274,16 @@ class SFTDataModule(ResumableDataModule):
         return given
 
     def collate(self) -> PadCollate:
-        return PadCollate(self.tokenizer.pad_id)
+        return PadCollate(self.tokenizer.pad_id, self._pad_multiple())
+
+    def _pad_multiple(self) -> int:
+        multiple = self.hparams.get("pad_to_multiple_of")
+        if multiple is None:
+            strategy = self.trainer.strategy if self.trainer is not None else None
+            multiple = getattr(strategy, "tensor_parallel", 1)
+        if self.seq_len % multiple:
+            raise UserInputError(
+                f"data.seq_len={self.seq_len} does not divide by {multiple}, the multiple batches are padded "
+                "to (pad_to_multiple_of, else tensor_parallel); use a seq_len divisible by it"
+            )
+        return multiple

@@ -226,9 +226,11 @@ class FinetuneModule(PretrainModule):
         self.log("val/token_accuracy", self.val_token_accuracy)  # a Metric: synced by torchmetrics
         datamodule = getattr(self.trainer, "datamodule", None)
         examples = getattr(datamodule, "eval_examples", None)
-        if examples and self._pipeline() is not None:
-            rank_zero_warn("val/exact_match is not computed under pipeline parallelism (generation needs the "
-                           "whole model on each rank)", category=UserWarning)
+        strategy = self.trainer.strategy
+        model_parallel = getattr(strategy, "tensor_parallel", 1) * getattr(strategy, "pipeline_parallel", 1)
+        if examples and model_parallel > 1:
+            rank_zero_warn("val/exact_match is not computed under tensor or pipeline parallelism (generation "
+                           "needs the whole model on each rank)", category=UserWarning)
         elif examples and not self.trainer.sanity_checking:
             # Every rank scores every held-out prompt (sharded models need all ranks in each forward), so
             # the mean over ranks that sync_dist takes is the score itself.
