@@ -125,7 +125,7 @@ def plan_layout(
         >>> plan.sharding, plan.tensor_parallel, plan.pipeline_parallel, plan.data_parallel
         ('fsdp', 8, 1, 2)
         >>> print(plan.describe())  # doctest: +ELLIPSIS
-        fsdp over 2 x tp 8: 58.9 GiB per device (states 6.3 GiB + ...) of 80.0 GiB, 80% of it usable
+        fsdp over 2 x tp 8: 55.5 GiB per device (states 6.3 GiB + ...) of 80.0 GiB, 80% of it usable
     """
     if devices_per_node < 1 or world_size < 1 or world_size % devices_per_node:
         raise UserInputError(
