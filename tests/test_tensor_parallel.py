@@ -101,6 +101,24 @@ def test_tensor_parallel_matches_one_process(tmp_path, single, loss_parallel):
     assert 0.45 < tp[0]["memory"]["param_bytes"] / single["memory"]["param_bytes"] < 0.65
 
 
+def test_tensor_parallel_under_amp_accumulation_and_activation_checkpointing(tmp_path):
+    """fp16 with AmpPrecision's loss scale (the vocab-parallel loss scaled, found_inf agreed over the tp
+    ranks), 2 accumulated batches a step, activation checkpointing and NaNRecovery under tp=2: the
+    one-process losses and norms with the same settings, to fp16's rounding."""
+    config = _config(tmp_path)
+    shared = ["--config", config, "--trainer.precision=16-mixed", "--trainer.accumulate_grad_batches=2",
+              "--trainer.callbacks+=lightning_train.callbacks.NaNRecovery", "--data.init_args.batch_size=4"]
+    [reference], _ = _fit(tmp_path, "one", *shared, "--trainer.devices=1")
+    reports, _ = _fit(
+        tmp_path, "tp", *shared, "--trainer.devices=2", *TP,
+        "--trainer.strategy.activation_checkpointing=true",
+    )
+    assert len(reference["losses"]) == 10
+    for report in reports:
+        torch.testing.assert_close(report["losses"], reference["losses"], rtol=1e-4, atol=0)
+        torch.testing.assert_close(report["grad_norms"], reference["grad_norms"], rtol=1e-3, atol=0)
+
+
 def test_a_loss_vocab_parallel_cannot_take_is_one_line_naming_loss_parallel_false(tmp_path):
     """Label smoothing (the README's subclass) on logits sharded by vocabulary: one error line, exit 2,
     naming the fix; with loss_parallel=false the same module trains on the gathered logits."""
