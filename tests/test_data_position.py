@@ -238,8 +238,9 @@ def test_a_position_in_another_order_is_refused(dataset: Path):
 @pytest.mark.slow
 def test_cli_resumes_across_device_counts_and_strategies(tmp_path: Path):
     """fsdp on 2 devices (6 steps, mid-epoch 0) -> ddp on 1 device with a worker (to step 20: the rest of
-    epoch 0, into epoch 1) -> ddp on 2 devices (to step 24), each from the last one's last.ckpt. The rows all
-    ranks train on, step by step, are the documented global order: nothing repeated, nothing skipped."""
+    epoch 0, into epoch 1) -> ddp on 2 devices (to step 24) -> tensor parallelism over 2 devices, one
+    data-parallel rank (to step 28), each from the last one's last.ckpt. The rows all data-parallel ranks
+    train on, step by step, are the documented global order: nothing repeated, nothing skipped."""
     src = tmp_path / "src.jsonl"
     src.write_text("".join(json.dumps({"text": d}) + "\n" for d in sentences(120)))
     data = prepare([str(src)], tmp_path / "data", val_fraction=0.1, num_workers=0).output_dir
@@ -251,13 +252,16 @@ def test_cli_resumes_across_device_counts_and_strategies(tmp_path: Path):
         "--trainer.limit_train_batches=0.25",
         "--trainer.callbacks+=tests.helpers.sample_log.SampleLog", f"--trainer.callbacks.folder={log}",
     ]  # fmt: skip
+    tensor_parallel = ["--trainer.strategy=lightning_train.strategies.ParallelStrategy",
+                       "--trainer.strategy.tensor_parallel=2"]  # fmt: skip
     launches = [
-        ("lt_fsdp", 2, 0, 6, None),
-        ("lt_ddp", 1, 1, 20, tmp_path / "run0/checkpoints/last.ckpt"),
-        ("lt_ddp", 2, 0, 24, tmp_path / "run1/checkpoints/last.ckpt"),
+        (["--trainer.strategy=lt_fsdp"], 2, 0, 6, None),
+        (["--trainer.strategy=lt_ddp"], 1, 1, 20, tmp_path / "run0/checkpoints/last.ckpt"),
+        (["--trainer.strategy=lt_ddp"], 2, 0, 24, tmp_path / "run1/checkpoints/last.ckpt"),
+        (tensor_parallel, 2, 0, 28, tmp_path / "run2/checkpoints/last.ckpt"),
     ]
     for i, (strategy, devices, workers, max_steps, ckpt) in enumerate(launches):
-        args = [f"--trainer.default_root_dir={tmp_path / f'run{i}'}", f"--trainer.strategy={strategy}",
+        args = [f"--trainer.default_root_dir={tmp_path / f'run{i}'}", *strategy,
                 f"--trainer.devices={devices}", f"--data.init_args.num_workers={workers}",
                 f"--trainer.max_steps={max_steps}"] + ([f"--ckpt_path={ckpt}"] if ckpt else [])  # fmt: skip
         proc = subprocess.run(common + args, env=cli_env(), cwd=REPO, capture_output=True, text=True,
@@ -273,13 +277,17 @@ def test_cli_resumes_across_device_counts_and_strategies(tmp_path: Path):
     trained = []
     for step in sorted(by_step):  # rank r holds samples r, r + world_size, ... of each global batch
         rank0, rank1 = by_step[step]
-        trained += [d for pair in zip(rank0, rank1, strict=True) for d in pair] if rank1 else rank0
+        if step > 24:  # both ranks of the tensor-parallel group read the one data-parallel rank's batch
+            assert rank0 == rank1
+            trained += rank0
+        else:
+            trained += [d for pair in zip(rank0, rank1, strict=True) for d in pair] if rank1 else rank0
     windows = TextDataModule(str(data), seq_len=32).train_loader().sampler.dataset
     orders = [np.random.default_rng((1234, epoch)).permutation(len(windows)) for epoch in (0, 1)]
     # epoch 0: 48 samples at 8 a step, then 44 at 4 (a quarter of the 93 whole batches of 4: 23 batches);
-    # epoch 1: 12 samples at 4 a step, then 32 at 8
-    expected = [row_digest(windows[int(i)]["input_ids"]) for i in [*orders[0][:92], *orders[1][:44]]]
-    assert sorted(by_step) == list(range(1, 25))
+    # epoch 1: 12 samples at 4 a step, then 32 at 8, then 16 at 4 (tp: one data-parallel rank)
+    expected = [row_digest(windows[int(i)]["input_ids"]) for i in [*orders[0][:92], *orders[1][:60]]]
+    assert sorted(by_step) == list(range(1, 29))
     assert trained == expected
 
 
