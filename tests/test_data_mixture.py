@@ -9,7 +9,12 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torchmetrics import MeanMetric
 
+from lightning_train import GPTConfig, PretrainModule
 from lightning_train.data import GlobalOrderSampler, TextDataModule, prepare
 from lightning_train.data.mixture import MixtureWindows
 from lightning_train.errors import UserInputError
@@ -144,3 +149,25 @@ def test_bad_mixtures_are_one_clear_error(tmp_path: Path, sources: dict[str, str
                      "--data.mixture", json.dumps({sources["prose"]: -1}), cwd=tmp_path, timeout=120)
     last_line = result.stderr.strip().splitlines()[-1]
     assert result.returncode == 2 and last_line.startswith("error: mixture weight -1.0 of"), last_line
+
+
+def test_each_sources_validation_loss_is_the_loss_of_its_own_rows():
+    """val/<source>/loss is compute_loss over that source's rows only (the other rows' labels ignored, so
+    sharded logits need no slicing), and the sources' token-weighted mean is val/loss."""
+    torch.manual_seed(0)
+    module = PretrainModule(GPTConfig(vocab_size=64, block_size=8, n_layer=1, n_head=2, n_embd=16))
+    module.configure_model()
+    module.val_source_loss = nn.ModuleDict({"prose": MeanMetric(), "code": MeanMetric()})
+    input_ids, labels = torch.randint(0, 64, (5, 8)), torch.randint(0, 64, (5, 8))
+    labels[3, :5] = -100  # a row with fewer scored tokens: the weights matter
+    source = torch.tensor([0, 1, 0, 1, 1])
+    with torch.no_grad():
+        module.validation_step({"input_ids": input_ids, "labels": labels, "source": source}, 0)
+        logits = module(input_ids)
+    for index, metric in enumerate(module.val_source_loss.values()):
+        rows = source == index
+        expected = F.cross_entropy(logits[rows].flatten(0, 1), labels[rows].flatten(), ignore_index=-100)
+        torch.testing.assert_close(metric.compute(), expected)
+    weights = [(labels[source == i] != -100).sum() for i in (0, 1)]
+    mean = sum(w * m.compute() for w, m in zip(weights, module.val_source_loss.values(), strict=True))
+    torch.testing.assert_close(mean / sum(weights), module.val_loss.compute())
