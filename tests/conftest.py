@@ -10,6 +10,7 @@ import os
 import random
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,16 @@ from lightning_train.models.gpt import GPTConfig
 from tests.helpers.tiny_runs import TINY
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def process_group() -> Iterator[None]:
+    """A real one-process gloo group, gone after the test."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
 
 
 @pytest.fixture

@@ -105,14 +105,6 @@ def test_foreach_sub_():
 
 
 # ---- torch.distributed -------------------------------------------------------------------------------------
-@pytest.fixture
-def process_group():
-    """A real one-process gloo group, gone after the test."""
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
 def test_is_compiled():
     module = nn.Linear(2, 2)
     assert not _compat.is_compiled(module)

@@ -171,15 +171,24 @@ def match_grad_placement(param: nn.Parameter) -> None:
         param.grad = grad.redistribute(param.device_mesh, param.placements)
 
 
+_loss_parallel_depth = 0  # vocab_parallel_loss contexts open (a manual backward runs inside the step's)
+
+
 @contextmanager
 def vocab_parallel_loss() -> Iterator[None]:
     """``cross_entropy`` of logits sharded by vocabulary (a ``Shard`` DTensor) computed without gathering
     them, in forward and in backward (torch's ``loss_parallel``, which must be active for both). Unlike
-    torch's context it is left on an exception too, so a failed step does not leave DTensor's loss
-    handlers installed for the next one."""
-    context = loss_parallel()
-    context.__enter__()
+    torch's context it nests (``ParallelStrategy.backward`` inside its ``training_step`` under manual
+    optimization; the inner exit would switch it off for the rest of the step) and is left on an exception
+    too, so a failed step does not leave DTensor's loss handlers installed for the next one."""
+    global _loss_parallel_depth
+    context = loss_parallel() if _loss_parallel_depth == 0 else None
+    if context is not None:
+        context.__enter__()
+    _loss_parallel_depth += 1
     try:
         yield
     finally:
-        context.__exit__(None, None, None)
+        _loss_parallel_depth -= 1
+        if context is not None:
+            context.__exit__(None, None, None)
