@@ -261,8 +261,10 @@ class PretrainModule(L.LightningModule):
         through it stays in the DTensor graph)."""
         try:
             loss = self.compute_loss(logits, labels)
-        except RuntimeError as error:
-            if not isinstance(logits, DTensor):
+        except RuntimeError as error:  # an op DTensor refuses: plain tensors mixed in, or no sharding
+            if not isinstance(logits, DTensor) or not any(
+                sign in str(error) for sign in ("DTensor", "sharding strategy")
+            ):
                 raise
             raise UserInputError(
                 f"{type(self).__name__}.compute_loss failed on logits sharded by vocabulary (tensor "
