@@ -39,9 +39,9 @@ from torch.distributed.tensor.parallel import (
     PrepareModuleInput,
     RowwiseParallel,
     SequenceParallel,
-    loss_parallel,
     parallelize_module,
 )
+from torch.distributed.tensor.parallel import loss_parallel as torch_loss_parallel
 
 from lightning_train.errors import UserInputError
 
@@ -103,15 +103,15 @@ class HeadParallelQKV(ParallelStyle):
         return module
 
 
-def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, vocab_parallel_logits: bool = True) -> None:
+def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool = True) -> None:
     """Shard ``model`` (a ``GPT``) over ``tp_mesh`` in place, with sequence parallelism (module doc).
-    ``vocab_parallel_logits``: the model returns its logits as a DTensor sharded by vocabulary (for
-    ``vocab_parallel_loss``), else gathered whole."""
+    ``loss_parallel`` (``ParallelStrategy``'s): the model returns its logits as a DTensor sharded by
+    vocabulary (for ``vocab_parallel_loss``), else gathered whole."""
     config, size = model.config, tp_mesh.size()
     check_tensor_parallel(size, config)
     head = (
         ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)
-        if vocab_parallel_logits
+        if loss_parallel
         else ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())
     )
     outer = {  # a pipeline stage holds some of these only (pipeline.stage_model)
@@ -182,7 +182,7 @@ def vocab_parallel_loss() -> Iterator[None]:
     optimization; the inner exit would switch it off for the rest of the step) and is left on an exception
     too, so a failed step does not leave DTensor's loss handlers installed for the next one."""
     global _loss_parallel_depth
-    context = loss_parallel() if _loss_parallel_depth == 0 else None
+    context = torch_loss_parallel() if _loss_parallel_depth == 0 else None
     if context is not None:
         context.__enter__()
     _loss_parallel_depth += 1
