@@ -1,7 +1,11 @@
 """ParallelStrategy's tensor parallelism on 2 real gloo ranks, launched through the CLI as a user would:
 the same losses and gradient norms as one process, and bad layouts refused with one line."""
 
+import copy
 import csv
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -9,9 +13,10 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
+from lightning_train._compat import end_distributed_process
 from lightning_train.checkpoint import consolidate, save_safetensors
 from lightning_train.models.gpt import GPT, GPTConfig
-from tests.conftest import REPO, run_cli
+from tests.conftest import REPO, cli_env, run_cli
 from tests.test_strategy_multiprocess import ENV, _fit
 
 pytestmark = pytest.mark.slow
@@ -190,3 +195,84 @@ def test_bad_layout_is_one_line_exit_2(tmp_path, args, message):
     errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and message in errors[0], done.stderr[-3000:]
     assert "Traceback" not in done.stderr
+
+
+# ---- reduce_partial_grads: the norms' Partial gradients in one all-reduce ------------------------
+def _partial_grads_worker(out_dir: str) -> None:
+    """Run by torchrun on 2 gloo ranks: a tp=2 GPT (n_layer=2) and a one-process copy take a forward and
+    backward of the same tokens; the collectives of reduce_partial_grads and of one redistribute per
+    Partial gradient (the per-tensor reduction it replaces) are counted, and the gradients saved."""
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    from lightning_train.strategies.tensor_parallel import (
+        apply_tensor_parallel,
+        reduce_partial_grads,
+        vocab_parallel_loss,
+    )
+
+    torch.distributed.init_process_group("gloo")
+    rank = torch.distributed.get_rank()
+    torch.manual_seed(0)
+    single = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_kv_head=2, n_embd=32))
+    model = copy.deepcopy(single)
+    apply_tensor_parallel(model, init_device_mesh("cpu", (2,)))
+    tokens = torch.randint(0, 64, (4, 17), generator=torch.Generator().manual_seed(1))  # the same on both
+
+    def loss(net: torch.nn.Module) -> torch.Tensor:
+        logits = net(tokens[:, :-1])
+        return F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+
+    loss(single).backward()
+    with vocab_parallel_loss():
+        loss(model).backward()
+    partial = {name: p.grad for name, p in model.named_parameters() if p.grad.placements == (Partial(),)}
+    with CommDebugMode() as per_tensor_comm:
+        per_tensor = {name: grad.redistribute(grad.device_mesh, [Replicate()])
+                      for name, grad in partial.items()}
+    with CommDebugMode() as bucketed_comm:
+        reduce_partial_grads(model)
+    grads = dict(model.named_parameters())
+    torch.save({
+        "partial": sorted(partial),
+        "per_tensor_collectives": per_tensor_comm.get_total_counts(),
+        "bucketed_collectives": {str(op): n for op, n in bucketed_comm.get_comm_counts().items() if n},
+        "per_tensor": {name: grad.to_local() for name, grad in per_tensor.items()},
+        "bucketed": {name: grads[name].grad.to_local() for name in partial},
+        "single": {name: single.get_parameter(name).grad for name in partial},
+        "placements": {name: str(grads[name].grad.placements) for name in partial},
+        "mismatched": [n for n, p in grads.items() if isinstance(p.grad, DTensor) and
+                       p.grad.placements != p.placements],
+    }, Path(out_dir, f"rank{rank}.pt"))
+    torch.distributed.barrier()  # no rank tears gloo down while the other is still in a collective
+    end_distributed_process(0)
+
+
+def test_partial_grads_are_reduced_in_one_all_reduce_as_one_process(tmp_path):
+    """The 2 * n_layer + 1 = 5 sequence-parallel norms' Partial gradients: one all-reduce (not 5), and the
+    result is what one all-reduce per gradient gives (exactly) and one process's gradients, Replicate."""
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+         "-m", "tests.test_tensor_parallel", str(tmp_path)],
+        cwd=REPO, env=cli_env(), capture_output=True, text=True, timeout=180,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    blocks = [f"blocks.{i}.{kind}.weight" for i in (0, 1) for kind in ("attn_norm", "mlp_norm")]
+    norms = ["norm.weight", *blocks]  # 2 * n_layer + 1
+    for rank in (0, 1):
+        report = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
+        assert report["partial"] == sorted(norms)
+        assert report["per_tensor_collectives"] == 5  # one each, as a redistribute per gradient did
+        assert report["bucketed_collectives"] == {"c10d.allreduce_": 1}
+        assert report["mismatched"] == []  # every gradient now has its parameter's placement
+        for name in norms:
+            assert report["placements"][name] == "(Replicate(),)"
+            torch.testing.assert_close(report["bucketed"][name], report["per_tensor"][name], rtol=0, atol=0)
+            torch.testing.assert_close(report["bucketed"][name], report["single"][name], rtol=1e-5, atol=1e-7)
+
+
+if __name__ == "__main__":  # the reduce_partial_grads worker, started by torchrun
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    _partial_grads_worker(sys.argv[1])
