@@ -211,6 +211,16 @@ class StepTimer(Callback):
         return per_step(self.start, self.end, self.steps)
 
 
+class FirstStepClock(Callback):
+    """Writes ``"<wall> <cpu>"`` to the file ``$FIRST_STEP_RECORD`` at the first training batch: the Unix
+    time (for the parent, which started the process, to subtract) and this process's CPU seconds so far.
+    ``startup.py`` loads it into both fits it compares."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_step == 0 and trainer.is_global_zero:
+            Path(os.environ["FIRST_STEP_RECORD"]).write_text(f"{time.time()} {time.process_time()}")
+
+
 def per_step(start: tuple[float, float], end: tuple[float, float], steps: int) -> dict[str, float]:
     """Wall and CPU seconds per step between two ``clock()`` readings."""
     return {"wall": (end[0] - start[0]) / steps, "cpu": (end[1] - start[1]) / steps}

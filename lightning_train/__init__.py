@@ -1,11 +1,10 @@
-"""lightning_train: train language models with PyTorch Lightning, from pretraining to fine-tuning."""
+"""lightning_train: train language models with PyTorch Lightning, from pretraining to fine-tuning.
 
+The names below are imported on first use (``_lazy.py``): ``from lightning_train import GPT`` does not
+import Lightning."""
+
+from lightning_train._lazy import lazy_exports
 from lightning_train._warnings import silence_known_noise
-from lightning_train.data import SFTDataModule, TextDataModule
-from lightning_train.errors import UserInputError
-from lightning_train.models import GPT, GPTConfig
-from lightning_train.models.lora import LoRAConfig
-from lightning_train.modules import FinetuneModule, PretrainModule
 
 __all__ = [
     "GPT",
@@ -18,5 +17,15 @@ __all__ = [
     "UserInputError",
 ]
 __version__ = "0.1.0"
+__getattr__, __dir__ = lazy_exports(globals(), {
+    "GPT": "lightning_train.models.gpt",
+    "FinetuneModule": "lightning_train.modules.finetune",
+    "GPTConfig": "lightning_train.models.gpt",
+    "LoRAConfig": "lightning_train.models.lora",
+    "PretrainModule": "lightning_train.modules.pretrain",
+    "SFTDataModule": "lightning_train.data.sft",
+    "TextDataModule": "lightning_train.data.text",
+    "UserInputError": "lightning_train.errors",
+})
 
 silence_known_noise()  # filters scoped to known dependency messages; see _warnings.py

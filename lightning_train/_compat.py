@@ -28,27 +28,27 @@ import os
 import sys
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, NoReturn, TypeAlias
+from typing import TYPE_CHECKING, Any, NoReturn, TypeAlias
 
-import lightning as L
-import torch
-from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
-from lightning.fabric.utilities.load import _METADATA_FILENAME
-from lightning.fabric.utilities.logger import _add_prefix
-from lightning.fabric.utilities.optimizer import _optimizers_to_device
-from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.loops.fetchers import _DataLoaderIterDataFetcher
-from torch import nn
-from torch.amp.grad_scaler import OptState
-from tqdm import tqdm
+if TYPE_CHECKING:
+    import lightning as L
+    import torch
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from torch import nn
+    from tqdm import tqdm
+
+# torch and Lightning are imported inside the functions that use them, never here: the CLI's help and
+# its tools (prepare, report, ...) import this module and must not pay those imports (Lightning's alone
+# takes seconds; tests/test_startup.py).
 
 # A file path as Lightning's signatures take it (Lightning's private
 # ``lightning.fabric.utilities.types._PATH``).
 PathLike: TypeAlias = str | Path
 
-# The file a Lightning sharded checkpoint folder keeps its non-tensor state in ("meta.pt"; Lightning's
-# private ``lightning.fabric.utilities.load._METADATA_FILENAME``, which its loaders look for).
-METADATA_FILENAME: str = _METADATA_FILENAME
+# The file a Lightning sharded checkpoint folder keeps its non-tensor state in: Lightning's private
+# ``lightning.fabric.utilities.load._METADATA_FILENAME``, which its loaders look for (Lightning 2.5-2.6;
+# written out so that reading a folder does not import Lightning; tests/test_compat.py compares them).
+METADATA_FILENAME: str = "meta.pt"
 
 # What a pickled ``torch.layout`` calls to rebuild itself (torch registers ``torch.serialization._get_layout``
 # with copyreg; torch 2.5-2.13), for the restricted unpickler of sharded checkpoints.
@@ -74,6 +74,8 @@ def found_inf_per_device(
 def scaler_unscaled(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> bool:
     """Whether ``unscale_`` has run for ``optimizer`` this step (``GradScaler._per_optimizer_states[...]
     ["stage"]``, torch 2.5-2.13; no public flag)."""
+    from torch.amp.grad_scaler import OptState
+
     state = scaler._per_optimizer_states.get(id(optimizer))
     return state is not None and state["stage"] is OptState.UNSCALED
 
@@ -87,18 +89,24 @@ def handles_amp_scaling(optimizer: torch.optim.Optimizer) -> bool:
 def foreach_norm(tensors: Sequence[torch.Tensor], ord: float) -> tuple[torch.Tensor, ...]:
     """The ``ord``-norm of each tensor in one fused kernel (``torch._foreach_norm``, torch 2.5-2.13;
     public alternative, one kernel per tensor: ``torch.linalg.vector_norm``)."""
+    import torch
+
     return torch._foreach_norm(tensors, ord)
 
 
 def foreach_copy(tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
     """New copies of ``tensors`` in one fused kernel (``torch._foreach_mul(tensors, 1.0)``, torch 2.5-2.13;
     public alternative, one kernel per tensor: ``tensor.clone()``)."""
+    import torch
+
     return torch._foreach_mul(tensors, 1.0)
 
 
 def foreach_sub_(tensors: Sequence[torch.Tensor], others: Sequence[torch.Tensor]) -> None:
     """``tensors[i] -= others[i]`` in place, fused (``torch._foreach_sub_``, torch 2.5-2.13; public
     alternative, one kernel per tensor: ``tensor.sub_(other)``)."""
+    import torch
+
     torch._foreach_sub_(tensors, others)
 
 
@@ -131,6 +139,8 @@ def end_distributed_process(code: int) -> NoReturn:
     down and abort a finished process with SIGABRT ("terminate called without an active exception";
     pytorch/pytorch#179291, #190489), which a scheduler or torchrun reads as a failed rank. Uses
     ``atexit._run_exitfuncs`` (CPython 3.10-3.13); the public alternative is a plain ``sys.exit``."""
+    import torch
+
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
     atexit._run_exitfuncs()
@@ -161,6 +171,8 @@ def data_fetcher(trainer: L.Trainer) -> Any:
 def fetcher_hands_out_iterator(fetcher: Any) -> bool:
     """Whether ``training_step`` draws the batches itself (``dataloader_iter``: Lightning's private
     ``lightning.pytorch.loops.fetchers._DataLoaderIterDataFetcher``, Lightning 2.5-2.6)."""
+    from lightning.pytorch.loops.fetchers import _DataLoaderIterDataFetcher
+
     return isinstance(fetcher, _DataLoaderIterDataFetcher)
 
 
@@ -209,6 +221,8 @@ def set_device_mesh(strategy: Any, mesh: Any) -> None:
 def optimizers_to_device(optimizers: Iterable[torch.optim.Optimizer], device: torch.device) -> None:
     """Move the optimizers' states to ``device`` (``lightning.fabric.utilities.optimizer.
     _optimizers_to_device``, Lightning 2.5-2.6; no public one)."""
+    from lightning.fabric.utilities.optimizer import _optimizers_to_device
+
     _optimizers_to_device(optimizers, device)
 
 
@@ -234,12 +248,16 @@ def save_model_checkpoint_now(callback: ModelCheckpoint, trainer: L.Trainer) -> 
 def is_local_path(path: PathLike) -> bool:
     """Whether ``path`` is on the local file system, not a remote URL such as ``s3://`` (``lightning.fabric.
     utilities.cloud_io._is_local_file_protocol``, Lightning 2.5-2.6; no public one)."""
+    from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
+
     return _is_local_file_protocol(path)
 
 
 def add_prefix(metrics: Mapping[str, Any], prefix: str, separator: str) -> Mapping[str, Any]:
     """``metrics`` with ``prefix + separator`` before each name, as Lightning's loggers do
     (``lightning.fabric.utilities.logger._add_prefix``, Lightning 2.5-2.6)."""
+    from lightning.fabric.utilities.logger import _add_prefix
+
     return _add_prefix(metrics, prefix, separator)
 
 
@@ -298,6 +316,8 @@ def subcommand_parser(cli: Any, name: str, **options: Any) -> Any:
 # ---- tqdm and argparse ------------------------------------------------------------------------------------
 def open_tqdm_bars() -> list[tqdm]:
     """Every tqdm bar not yet closed (``tqdm._instances``, tqdm 4.66-4.70; no public one)."""
+    from tqdm import tqdm
+
     return list(getattr(tqdm, "_instances", ()))
 
 

@@ -182,3 +182,11 @@ def test_model_parallel_gpu_dry_run_shards_the_llama3_stack(tmp_path: Path) -> N
     assert result["num_params"] == params
     assert result["param_bytes"] == 4 * ((params - norms) // 2 + norms)
     assert result["flops_per_token"] == model.flops_per_token(4096)  # the whole model's, for MFU
+
+
+def test_startup_smoke(tmp_path: Path) -> None:
+    payload = run_smoke("startup.py", tmp_path / "startup.json")
+    assert payload["benchmark"] == "startup" and payload["smoke"] is True
+    for name in ("--help (top level)", "prepare --help", "fit pretrain-tiny.yaml, to its first step"):
+        for clock in ("cpu", "wall"):
+            check_comparison(payload["results"][name][clock], pairs=1)

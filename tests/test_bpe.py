@@ -24,8 +24,8 @@ from lightning_train.data import ByteTokenizer, load_tokenizer, prepare, read_me
 from lightning_train.data.bpe import train_bpe
 from lightning_train.data.sources import stdlib_sources
 from lightning_train.errors import UserInputError
+from lightning_train.models.generate import generate_batched
 from lightning_train.models.gpt import GPT
-from lightning_train.modules.finetune import generate_batched
 from tests.conftest import REPO, cli_env, run_cli
 from tests.conftest import run_main as cli
 

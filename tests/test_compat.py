@@ -359,7 +359,10 @@ def test_path_like():
 
 
 def test_metadata_filename():
+    from lightning.fabric.utilities.load import _METADATA_FILENAME
+
     assert _compat.METADATA_FILENAME == "meta.pt"  # the name in every sharded checkpoint already on disk
+    assert _compat.METADATA_FILENAME == _METADATA_FILENAME  # and the one Lightning's loaders look for
 
 
 def test_torch_layout_global():

@@ -7,8 +7,8 @@ import torch
 
 from lightning_train.checkpoint import save_safetensors
 from lightning_train.data.tokenizers import ByteTokenizer
+from lightning_train.models.generate import generate_batched
 from lightning_train.models.gpt import GPT, GPTConfig
-from lightning_train.modules.finetune import generate_batched
 from tests.conftest import run_cli
 
 FLAVOURS = {

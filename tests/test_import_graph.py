@@ -26,7 +26,9 @@ def imports_of(name: str) -> set[str]:
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, ast.Import):
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "lazy_exports":
+            found.update(lazy_modules(node))  # a lazy export is a dependency too
+        elif isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
@@ -36,6 +38,31 @@ def imports_of(name: str) -> set[str]:
             found.add(base)
             found.update(f"{base}.{alias.name}" for alias in node.names if f"{base}.{alias.name}" in MODULES)
     return found
+
+
+def lazy_modules(call: ast.Call) -> set[str]:
+    """The modules a ``lazy_exports(globals(), {name: module, ...})`` call names."""
+    return {value.value for value in call.args[1].values if isinstance(value, ast.Constant)}
+
+
+def lazy_export_names(name: str) -> set[str]:
+    """The names a package exports lazily (``_lazy.lazy_exports``)."""
+    tree = ast.parse(MODULES[name].read_text())
+    calls = [node for node in ast.walk(tree) if isinstance(node, ast.Call)
+             and getattr(node.func, "id", None) == "lazy_exports"]
+    return {key.value for call in calls for key in call.args[1].keys if isinstance(key, ast.Constant)}
+
+
+def test_lazy_exports_name_real_objects_and_no_submodule():
+    """Each lazily exported name is defined in the module named for it, and is not also the name of a
+    submodule of its package (importing that submodule would set the package's attribute to it)."""
+    packages = {name: lazy_export_names(name) for name in MODULES if MODULES[name].name == "__init__.py"}
+    assert packages["lightning_train"] >= {"GPT", "PretrainModule"}  # the check reads the calls
+    for package, names in packages.items():
+        module = importlib.import_module(package)
+        for export in names:
+            assert f"{package}.{export}" not in MODULES, f"{package}.{export} is a submodule too"
+            assert export in module.__all__ and getattr(module, export) is not None
 
 
 def package_graph() -> dict[str, set[str]]:

@@ -7,19 +7,14 @@
 - ``pretrained``: ``open_pretrained``, weights from any source (our checkpoints, exports, HF folders);
 - ``export`` (file writing) and ``consolidate`` (``export``/``consolidate``): a Hugging Face folder, or
   ``model.safetensors`` + ``config.json``.
+
+The other names are imported on first use (``_lazy.py``); none of the tools' path imports Lightning.
 """
 
+from lightning_train._lazy import lazy_exports
+
+# Eager: these functions share their names with submodules, which would shadow them once imported.
 from lightning_train.checkpoint.consolidate import consolidate, export
-from lightning_train.checkpoint.export import read_gpt_config, save_safetensors
-from lightning_train.checkpoint.format import read_checkpoint, verify_checkpoint
-from lightning_train.checkpoint.io import AtomicCheckpointIO
-from lightning_train.checkpoint.pretrained import Pretrained, open_pretrained
-from lightning_train.checkpoint.resume import (
-    checkpoint_mismatch_error,
-    find_resume_checkpoint,
-    resolve_resume,
-)
-from lightning_train.checkpoint.sharded import load_sharded_model_state
 
 __all__ = [
     "AtomicCheckpointIO",
@@ -36,3 +31,16 @@ __all__ = [
     "save_safetensors",
     "verify_checkpoint",
 ]
+__getattr__, __dir__ = lazy_exports(globals(), {
+    "AtomicCheckpointIO": "lightning_train.checkpoint.io",
+    "Pretrained": "lightning_train.checkpoint.pretrained",
+    "checkpoint_mismatch_error": "lightning_train.checkpoint.resume",
+    "find_resume_checkpoint": "lightning_train.checkpoint.resume",
+    "load_sharded_model_state": "lightning_train.checkpoint.sharded",
+    "open_pretrained": "lightning_train.checkpoint.pretrained",
+    "read_checkpoint": "lightning_train.checkpoint.format",
+    "read_gpt_config": "lightning_train.checkpoint.export",
+    "resolve_resume": "lightning_train.checkpoint.resume",
+    "save_safetensors": "lightning_train.checkpoint.export",
+    "verify_checkpoint": "lightning_train.checkpoint.format",
+})

@@ -34,7 +34,6 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
 import torch
-from lightning.pytorch.utilities import rank_zero_warn
 
 
 def _stager() -> Any:
@@ -83,6 +82,8 @@ class BackgroundWriter:
         if any(not future.done() for future in earlier):
             started = time.perf_counter()
             self._wait_for(earlier)
+            from lightning.pytorch.utilities import rank_zero_warn  # a Trainer runs: Lightning is loaded
+
             rank_zero_warn(
                 f"checkpoint at step {step} waited {time.perf_counter() - started:.1f} s for the previous "
                 "checkpoint's write to finish: checkpoints come faster than they are written; save less "

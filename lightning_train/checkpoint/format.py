@@ -33,8 +33,8 @@ from pathlib import Path
 from typing import IO, Any
 
 import torch
-from lightning.fabric.utilities.data import AttributeDict
 
+from lightning_train._compat import METADATA_FILENAME
 from lightning_train.errors import CorruptCheckpointError, IncompatibleCheckpointError, UserInputError
 from lightning_train.models.gpt import GPTConfig
 from lightning_train.models.lora import LoRAConfig
@@ -169,9 +169,9 @@ def _check_zip(path: Path) -> None:
 # ---- safe loading ---------------------------------------------------------------------------------------
 def safe_globals() -> list[type]:
     """The only non-tensor types that loading a checkpoint accepts: plain-value containers of
-    hyper-parameters (our config dataclasses, Lightning's ``AttributeDict``, paths). Rebuilding them runs
-    no code of the file's choosing."""
-    return [GPTConfig, LoRAConfig, AttributeDict, pathlib.Path, pathlib.PosixPath, pathlib.WindowsPath]
+    hyper-parameters (our config dataclasses, paths; Lightning saves its ``hparams`` as a plain dict).
+    Rebuilding them runs no code of the file's choosing."""
+    return [GPTConfig, LoRAConfig, pathlib.Path, pathlib.PosixPath, pathlib.WindowsPath]
 
 
 def load_torch_file(
@@ -197,6 +197,11 @@ def load_torch_file(
             f"cannot read checkpoint {source} ({type(error).__name__}: {error}); pass a checkpoint "
             "written by lightning_train or torch.save"
         ) from error
+
+
+def is_sharded_checkpoint(path: str | Path) -> bool:
+    """Whether ``path`` is a sharded (``torch.distributed.checkpoint``) checkpoint folder."""
+    return Path(path).is_dir() and (Path(path) / METADATA_FILENAME).is_file()
 
 
 def sharded_folder_error(path: Path) -> UserInputError:

@@ -29,13 +29,7 @@ from lightning_train.checkpoint.export import (
     is_our_export,
     read_gpt_config,
 )
-from lightning_train.checkpoint.format import read_checkpoint
-from lightning_train.checkpoint.sharded import (
-    checkpoint_tensor_shapes,
-    is_sharded_checkpoint,
-    load_sharded_model_state,
-    read_metadata,
-)
+from lightning_train.checkpoint.format import is_sharded_checkpoint, read_checkpoint
 from lightning_train.data.shards import tokenizer_spec
 from lightning_train.data.tokenizers import ByteTokenizer
 from lightning_train.errors import CorruptCheckpointError, UserInputError
@@ -124,6 +118,9 @@ def open_pretrained(
     if path.is_dir() and is_our_export(path):
         path = path / MODEL_FILE
     if path.is_dir() and is_sharded_checkpoint(path):
+        # torch.distributed.checkpoint takes a second to import: only for folders (export, generate).
+        from lightning_train.checkpoint.sharded import checkpoint_tensor_shapes, read_metadata
+
         _refuse_pickle(path, allow_pickle)
         metadata, keys = read_metadata(path), lambda: list(checkpoint_tensor_shapes(path))
         return _from_lightning_checkpoint(path, metadata, config, keys, _sharded_reader(path))
@@ -171,6 +168,8 @@ def _refuse_pickle(path: Path, allow_pickle: bool) -> None:
 # ---- checkpoints of our LightningModules ----------------------------------------------------------------
 def _sharded_reader(path: Path) -> Callable[[nn.Module], StateDict]:
     def read_shards(model: nn.Module) -> StateDict:
+        from lightning_train.checkpoint.sharded import load_sharded_model_state
+
         load_sharded_model_state(path, model, prefix=MODULE_PREFIX)
         return model.state_dict()
 

@@ -32,6 +32,7 @@ from lightning_train.checkpoint.background import BackgroundWriter
 from lightning_train.checkpoint.format import (
     begin_checkpoint_dir,
     commit_checkpoint_dir,
+    is_sharded_checkpoint,
     load_torch_file,
     verify_checkpoint,
 )
@@ -102,10 +103,6 @@ def _load(state: dict[str, Any], path: str | Path) -> None:
     from torch.distributed.checkpoint import load
 
     load(state, storage_reader=_SafeReader(str(path)), planner=_SafeLoadPlanner(path))
-
-
-def is_sharded_checkpoint(path: str | Path) -> bool:
-    return Path(path).is_dir() and (Path(path) / METADATA_FILENAME).is_file()
 
 
 def checkpoint_tensor_shapes(path: str | Path, section: str = "state_dict") -> dict[str, tuple[int, ...]]:

@@ -6,7 +6,8 @@
 
 ``trainer.py`` holds ``LightningTrainCLI`` (the Trainer subcommands and the run layout); each tool is
 one file here (``prepare.py``, ``generate.py``, ...) that parses its arguments, calls the library
-and prints. Library modules never import this package.
+and prints. Library modules never import this package. Only the Trainer subcommands import Lightning
+(seconds): the top-level help and the tools answer without it.
 """
 
 from __future__ import annotations
@@ -14,17 +15,15 @@ from __future__ import annotations
 import atexit
 import importlib
 import sys
+from typing import Any
 
-import torch
-
-from lightning_train._compat import end_distributed_process
+from lightning_train._lazy import lazy_exports
 from lightning_train._warnings import plain_package_warnings
-from lightning_train.cli._parsers import PROG, TOOLS
-from lightning_train.cli.trainer import SUBCOMMANDS, LightningTrainCLI
+from lightning_train.cli._parsers import PROG, SUBCOMMANDS, TOOLS, top_level_help
 from lightning_train.errors import TrainingAborted, UserInputError
-from lightning_train.strategies.data_parallel import leave_process_group
 
 __all__ = ["LightningTrainCLI", "main"]
+__getattr__, __dir__ = lazy_exports(globals(), {"LightningTrainCLI": "lightning_train.cli.trainer"})
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -41,14 +40,20 @@ def main(argv: list[str] | None = None) -> None:
         if not isinstance(exit.code, int | None):
             print(exit.code, file=sys.stderr)
         code = exit.code if isinstance(exit.code, int) else int(exit.code is not None)
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
+    if _joined_process_group():
+        from lightning_train._compat import end_distributed_process
+
         end_distributed_process(code)
     sys.exit(code)
 
 
+def _joined_process_group() -> bool:
+    """Whether this process ran a process group (only a Trainer subcommand can: torch is loaded then)."""
+    torch: Any = sys.modules.get("torch")
+    return torch is not None and torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
 def _main(argv: list[str] | None) -> None:
-    atexit.register(leave_process_group)  # whatever the strategy: see leave_process_group
-    plain_package_warnings()
     args = sys.argv[1:] if argv is None else argv
     try:
         if not args or not (args[0].startswith("-") or args[0] in TOOLS or args[0] in SUBCOMMANDS):
@@ -57,8 +62,17 @@ def _main(argv: list[str] | None) -> None:
                 f"{given}; use one of {', '.join([*SUBCOMMANDS, *TOOLS])} (see `{PROG} --help`)"
             )
         if args[0] in TOOLS:
-            importlib.import_module(f"lightning_train.cli.{args[0]}").main(args[1:])
+            tool = importlib.import_module(f"lightning_train.cli.{args[0]}")
+            plain_package_warnings()
+            tool.main(args[1:])
+        elif {"-h", "--help"} & set(args) and not set(SUBCOMMANDS) & set(args):
+            print(top_level_help(), end="")
         else:
+            from lightning_train.cli.trainer import LightningTrainCLI
+            from lightning_train.strategies.data_parallel import leave_process_group
+
+            atexit.register(leave_process_group)  # whatever the strategy: see leave_process_group
+            plain_package_warnings()  # after Lightning's import, which installs a warning format of its own
             LightningTrainCLI(args=argv)  # None: LightningCLI reads sys.argv itself
     except Exception as error:
         cause = _reported_cause(error)

@@ -1,4 +1,7 @@
-"""The parsers of every subcommand: a bad argument ends in one ``error:`` line and exit code 2."""
+"""The parsers of every subcommand: a bad argument ends in one ``error:`` line and exit code 2.
+
+Lightning is not imported here: the tools' parsers and the top-level help answer without it (its
+import alone takes seconds); ``LightningParser``, for the Trainer subcommands, lives in ``trainer.py``."""
 
 from __future__ import annotations
 
@@ -9,11 +12,19 @@ from collections.abc import Callable
 from typing import Any
 
 from jsonargparse import ActionConfigFile, ArgumentParser, DefaultHelpFormatter
-from lightning.pytorch.cli import LightningArgumentParser
 
 from lightning_train._compat import subcommand_actions
 
 PROG = "python -m lightning_train"
+DESCRIPTION = "Train language models with Lightning."
+# The top-level help's line for each Trainer subcommand (Lightning's are its docstrings' first lines,
+# cut mid-sentence); each fits one 80-column line.
+SUBCOMMANDS = {
+    "fit": "Train a model (--resume auto continues a run).",
+    "validate": "Evaluate a checkpoint on the validation split.",
+    "test": "Evaluate on the test split (needs test_step).",
+    "predict": "Run a model's predict_step (for text, use generate).",
+}
 # Subcommands that are plain functions rather than Trainer methods, each in lightning_train/cli/<name>.py,
 # with the line the help shows for it (each fits one 80-column line).
 TOOLS = {
@@ -111,11 +122,11 @@ def _short_type_error(message: str) -> str | None:
     return f"--{match['key']}={match['value']} is not accepted; use one of {choices}"
 
 
-class LightningParser(_OneLineErrors, _Defaults, LightningArgumentParser):
-    pass
+class ParserConventions(_OneLineErrors, _Defaults):
+    """Mixin for any jsonargparse parser of this CLI: one-line errors, our help text and program name."""
 
 
-class ToolParser(_OneLineErrors, _Defaults, ArgumentParser):
+class ToolParser(ParserConventions, ArgumentParser):
     pass
 
 
@@ -129,3 +140,26 @@ def parse_tool_args(
     parser.add_function_arguments(function, as_positional=positional, as_group=False, sub_configs=True)
     config = parser.instantiate_classes(parser.parse_args(args))
     return {key: value for key, value in vars(config).items() if key != "config"}
+
+
+def top_level_help() -> str:
+    """``python -m lightning_train --help``: the subcommands and tools, one line each (the subcommands'
+    own options come with ``fit --help``, which builds the Trainer's parser)."""
+    parser = ToolParser(prog=PROG, description=DESCRIPTION, epilog=_top_level_epilog())
+    parser.add_argument("-c", "--config", action=ActionConfigFile, help="Path to a configuration file in "
+                        "json or yaml format.")
+    subcommands = parser.add_subcommands(title="subcommands", description=None, metavar="SUBCOMMAND")
+    for name, summary in SUBCOMMANDS.items():
+        subcommands.add_subcommand(name, ToolParser(prog=f"{PROG} {name}"), help=summary)
+    return parser.format_help()
+
+
+def _top_level_epilog() -> str:
+    tools = "\n".join(f"  {name:<22}{summary}" for name, summary in TOOLS.items())
+    return (
+        f"tools ({PROG} TOOL --help):\n{tools}\n\n"
+        "options of a subcommand, the model and the data:\n"
+        f"  {PROG} fit --help\n"
+        f"  {PROG} fit --model.help PretrainModule   (or FinetuneModule)\n"
+        f"  {PROG} fit --data.help TextDataModule    (or SFTDataModule)"
+    )

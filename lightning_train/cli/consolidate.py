@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from lightning_train.checkpoint import consolidate
+from lightning_train.checkpoint.consolidate import consolidate
 from lightning_train.checkpoint.export import CONFIG_FILE
 from lightning_train.cli._parsers import parse_tool_args
 

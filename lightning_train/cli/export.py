@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from lightning_train.checkpoint import export
+from lightning_train.checkpoint.consolidate import export
 from lightning_train.cli._parsers import parse_tool_args
 
 

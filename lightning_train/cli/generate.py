@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import torch
 
-from lightning_train.checkpoint import open_pretrained
+from lightning_train.checkpoint.pretrained import open_pretrained
 from lightning_train.cli._parsers import parse_tool_args
-from lightning_train.data.sft import chat_segments
+from lightning_train.data.chat import chat_prompt
 from lightning_train.data.tokenizers import load_tokenizer
 from lightning_train.errors import UserInputError
-from lightning_train.modules.finetune import generate_batched
+from lightning_train.models.generate import generate_batched
 
 
 def generate(
@@ -57,10 +57,7 @@ def generate(
     model = pretrained.build().to(device)
     prompts = prompt if isinstance(prompt, list) else [prompt]
     if chat:
-        prompts = [
-            "".join(text for text, _ in chat_segments([{"role": "user", "content": p}])) + "<|assistant|>\n"
-            for p in prompts
-        ]
+        prompts = [chat_prompt(p) for p in prompts]
     completions = generate_batched(
         model, [tok.encode(p) for p in prompts], max_new_tokens, tok.eos_id, temperature, top_k,
         device=device, use_cache=use_cache, tokenizer_vocab_size=tok.vocab_size,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from lightning_train.cli._parsers import parse_tool_args
-from lightning_train.data import prepare
+from lightning_train.data.shards import prepare
 
 
 def main(args: list[str]) -> None:

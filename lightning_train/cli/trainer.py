@@ -47,22 +47,21 @@ from lightning_train.checkpoint import (
     resolve_resume,
 )
 from lightning_train.checkpoint.format import safe_globals
-from lightning_train.cli._parsers import PROG, TOOLS, LightningParser
+from lightning_train.cli._parsers import PROG, SUBCOMMANDS, ParserConventions
 from lightning_train.cli.checks import check_trainer_arguments
 from lightning_train.cli.elastic import restart_resume, torchrun_layout
 from lightning_train.cli.run_folder import SaveConfigWhenRunning, check_fit, remove_empty_launch, run_folder
+from lightning_train.data.sft import SFTDataModule  # noqa: F401  (--data SFTDataModule finds imported ones)
+from lightning_train.data.text import TextDataModule  # noqa: F401
 from lightning_train.errors import UserInputError
+from lightning_train.modules import FinetuneModule, PretrainModule  # noqa: F401  (--model PretrainModule)
 from lightning_train.plugins.precision import amp_for_precision_flag
 from lightning_train.strategies import DataParallelStrategy  # noqa: F401  (registers lt_ddp/lt_fsdp/lt_auto)
 
-# The top-level help's line for each Trainer subcommand (Lightning's are its docstrings' first lines,
-# cut mid-sentence); each fits one 80-column line.
-SUBCOMMANDS = {
-    "fit": "Train a model (--resume auto continues a run).",
-    "validate": "Evaluate a checkpoint on the validation split.",
-    "test": "Evaluate on the test split (needs test_step).",
-    "predict": "Run a model's predict_step (for text, use generate).",
-}
+
+class LightningParser(ParserConventions, LightningArgumentParser):
+    pass
+
 
 
 class LightningTrainCLI(LightningCLI):
@@ -96,7 +95,6 @@ class LightningTrainCLI(LightningCLI):
     def __init__(self, args: list[str] | None = None, **kwargs: Any) -> None:
         kwargs.setdefault("seed_everything_default", 1234)
         kwargs.setdefault("parser_class", LightningParser)
-        kwargs.setdefault("parser_kwargs", {"description": DESCRIPTION, "epilog": top_level_epilog()})
         kwargs.setdefault("save_config_callback", SaveConfigWhenRunning)
         self.command = ["python", "-m", "lightning_train", *(sys.argv[1:] if args is None else args)]
         super().__init__(
@@ -264,20 +262,6 @@ class LightningTrainCLI(LightningCLI):
             raise mismatch from error
         finally:
             remove_empty_launch(self.trainer)  # a launch that failed before it ran leaves no empty folders
-
-
-DESCRIPTION = "Train language models with Lightning."
-
-
-def top_level_epilog() -> str:
-    tools = "\n".join(f"  {name:<22}{summary}" for name, summary in TOOLS.items())
-    return (
-        f"tools ({PROG} TOOL --help):\n{tools}\n\n"
-        "options of a subcommand, the model and the data:\n"
-        f"  {PROG} fit --help\n"
-        f"  {PROG} fit --model.help PretrainModule   (or FinetuneModule)\n"
-        f"  {PROG} fit --data.help TextDataModule    (or SFTDataModule)"
-    )
 
 
 def _check_checkpoint_path(ckpt_path: str | None) -> None:

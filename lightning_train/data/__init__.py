@@ -1,12 +1,9 @@
 """Data: tokenizers, token shards (``prepare``), the default corpus, ``TextDataModule`` and ``SFTDataModule``
-with their shared, world-size-independent loaders (``GlobalOrderSampler``, ``ResumableLoader``)."""
+with their shared, world-size-independent loaders (``GlobalOrderSampler``, ``ResumableLoader``).
 
-from lightning_train.data.default_corpus import default_corpus_dir
-from lightning_train.data.loading import GlobalOrderSampler, ResumableLoader
-from lightning_train.data.sft import SFTDataModule
-from lightning_train.data.shards import prepare, read_meta
-from lightning_train.data.text import TextDataModule
-from lightning_train.data.tokenizers import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
+Names are imported on first use (``_lazy.py``): ``prepare`` and the tokenizers do not import Lightning."""
+
+from lightning_train._lazy import lazy_exports
 
 __all__ = [
     "ByteTokenizer",
@@ -21,3 +18,16 @@ __all__ = [
     "prepare",
     "read_meta",
 ]
+__getattr__, __dir__ = lazy_exports(globals(), {
+    "ByteTokenizer": "lightning_train.data.tokenizers",
+    "GlobalOrderSampler": "lightning_train.data.loading",
+    "HFTokenizer": "lightning_train.data.tokenizers",
+    "ResumableLoader": "lightning_train.data.loading",
+    "SFTDataModule": "lightning_train.data.sft",
+    "TextDataModule": "lightning_train.data.text",
+    "Tokenizer": "lightning_train.data.tokenizers",
+    "default_corpus_dir": "lightning_train.data.default_corpus",
+    "load_tokenizer": "lightning_train.data.tokenizers",
+    "prepare": "lightning_train.data.shards",
+    "read_meta": "lightning_train.data.shards",
+})

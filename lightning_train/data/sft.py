@@ -5,11 +5,8 @@ Each line of a JSONL file is one example, either ``{"prompt": str, "response": s
 ``prompt tokens + response tokens + eos``; the labels are the next tokens, with -100 wherever the next
 token belongs to a prompt, so only response tokens (and the eos that ends them) carry loss.
 
-Chats use this template (plain text, so it works with the byte tokenizer and any other)::
-
-    <|system|>\\n{content}\\n<|user|>\\n{content}\\n<|assistant|>\\n{content}<eos>...
-
-where each assistant turn's content and eos are the response (trained), everything else prompt.
+Chats use the plain-text template of ``data/chat.py``, where each assistant turn's content and eos are
+the response (trained), everything else prompt.
 
 Batches are padded on the right to the longest example with the tokenizer's pad id (labels -100).
 Right padding needs no attention mask: a causal model never attends to later positions. Packing
@@ -28,24 +25,11 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.data import Dataset
 
+from lightning_train.data.chat import ROLES, Segments, chat_segments
 from lightning_train.data.loading import ResumableDataModule, check_at_least
 from lightning_train.data.tasks import default_task_dir
 from lightning_train.data.tokenizers import Tokenizer, load_tokenizer
 from lightning_train.errors import UserInputError
-
-ROLES = ("system", "user", "assistant")
-Segments = list[tuple[str, bool]]  # (text, is_response)
-
-
-def chat_segments(messages: list[dict[str, str]]) -> Segments:
-    """The documented chat template as (text, is_response) pieces; eos follows each response."""
-    segments: Segments = []
-    for message in messages:
-        segments.append((f"<|{message['role']}|>\n", False))
-        segments.append((message["content"], message["role"] == "assistant"))
-        if message["role"] != "assistant":
-            segments.append(("\n", False))
-    return segments
 
 
 def read_examples(path: str | Path) -> list[Segments]:

@@ -12,10 +12,10 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-import lightning as L
-from lightning.pytorch.utilities import rank_zero_warn
+if TYPE_CHECKING:
+    import lightning as L
 
 AlertLevel = Literal["INFO", "WARN", "ERROR"]
 ALERTS_FILE = "alerts.jsonl"
@@ -27,6 +27,8 @@ def send_alert(trainer: L.Trainer, title: str, text: str, level: AlertLevel = "W
     if not trainer.is_global_zero:
         return
     step = trainer.global_step
+    from lightning.pytorch.utilities import rank_zero_warn  # here, not at the top: `report` reads alerts
+
     rank_zero_warn(f"[{level}] {title} (step {step}): {text}")
     if trainer.loggers and log_dir is not None:  # logger=False: the user asked for no files
         path = Path(log_dir) / ALERTS_FILE

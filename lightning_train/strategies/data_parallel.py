@@ -39,8 +39,8 @@ from lightning_train._compat import (
     setup_distributed,
     sync_module_states,
 )
+from lightning_train.checkpoint.format import is_sharded_checkpoint
 from lightning_train.checkpoint.sharded import (
-    is_sharded_checkpoint,
     load_full_checkpoint,
     load_sharded_checkpoint,
     save_sharded_checkpoint,
