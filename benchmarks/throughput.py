@@ -3,11 +3,12 @@ runs it: TextDataModule on the default corpus, CSV logging, the progress bar) ag
 single-file training loop with the same model size, batch and sequence length, reading the same token
 file. Goal: ratio (lightning tokens/s / nanoGPT tokens/s) >= 1.0.
 
-The peer below is self-contained (no lightning_train imports), written as nanoGPT's ``model.py`` and
-``train.py`` are: ``np.memmap`` random-offset batches, fused AdamW, warmup+cosine LR, clipping at 1.0 and
-``loss.item()`` every ``log_interval`` steps. It has two blocks: nanoGPT's own GPT-2 block (LayerNorm,
-learned positions, tanh-GELU MLP) and the default config's Llama-style block (RMSNorm, rotary positions,
-SwiGLU) written the way a single-file reference writes it. Rows:
+The peer is ``nanogpt_peer.py`` (self-contained, no lightning_train imports), written as nanoGPT's
+``model.py`` and ``train.py`` are: ``np.memmap`` random-offset batches, AdamW (fused on CUDA only, as
+nanoGPT's ``configure_optimizers``), warmup+cosine LR, clipping at 1.0 and ``loss.item()`` every
+``log_interval`` steps; here only its steps are timed (``whole_process.py`` runs it whole, as a process).
+It has two blocks: nanoGPT's own GPT-2 block (LayerNorm, learned positions, exact GELU) and the default
+config's Llama-style block (RMSNorm, rotary positions, SwiGLU). Rows:
 
 1. the default config against the peer with the same block: what the framework costs;
 2. the default config against nanoGPT's GPT-2 block with as many parameters (837 K): what a user gets
@@ -23,7 +24,6 @@ gap in the model from a gap in the loop around it.
 
 from __future__ import annotations
 
-import math
 import statistics
 import tempfile
 import time
@@ -31,7 +31,6 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from common import (
@@ -49,7 +48,7 @@ from common import (
     synchronize,
     write_json,
 )
-from torch import nn
+from nanogpt_peer import PeerGPT, batch_reader, configure_optimizer, cosine_lr
 
 from lightning_train.data import default_corpus_dir
 
@@ -59,139 +58,31 @@ SMOKE_SHAPE = ["--model.init_args.config.n_layer=1", "--model.init_args.config.n
                "--data.init_args.batch_size=4"]
 
 
-# ---- the peer: a nanoGPT-style model and loop in plain PyTorch ----------------------------------------
-class CausalSelfAttention(nn.Module):
-    def __init__(self, n_embd: int, n_head: int) -> None:
-        super().__init__()
-        self.n_head = n_head
-        self.c_attn = nn.Linear(n_embd, 3 * n_embd, bias=False)
-        self.c_proj = nn.Linear(n_embd, n_embd, bias=False)
-
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        B, T, C = x.size()
-        q, k, v = self.c_attn(x).split(C, dim=2)
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
-        if rope is not None:
-            q, k = rotate(q, *rope), rotate(k, *rope)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
-
-
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
-
-
-class GPT2Block(nn.Module):
-    def __init__(self, n_embd: int, n_head: int) -> None:
-        super().__init__()
-        self.ln_1, self.ln_2 = nn.LayerNorm(n_embd, bias=False), nn.LayerNorm(n_embd, bias=False)
-        self.attn = CausalSelfAttention(n_embd, n_head)
-        self.mlp = nn.Sequential(
-            nn.Linear(n_embd, 4 * n_embd, bias=False), nn.GELU(approximate="tanh"),
-            nn.Linear(4 * n_embd, n_embd, bias=False),
-        )
-
-    def forward(self, x: torch.Tensor, rope: None = None) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x))
-        return x + self.mlp(self.ln_2(x))
-
-
-class LlamaBlock(nn.Module):
-    def __init__(self, n_embd: int, n_head: int, hidden: int) -> None:
-        super().__init__()
-        self.ln_1, self.ln_2 = nn.RMSNorm(n_embd, eps=1e-5), nn.RMSNorm(n_embd, eps=1e-5)
-        self.attn = CausalSelfAttention(n_embd, n_head)
-        self.w1, self.w3 = nn.Linear(n_embd, hidden, bias=False), nn.Linear(n_embd, hidden, bias=False)
-        self.c_proj = nn.Linear(hidden, n_embd, bias=False)
-
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x), rope)
-        h = self.ln_2(x)
-        return x + self.c_proj(F.silu(self.w1(h)) * self.w3(h))
-
-
-class PeerGPT(nn.Module):
-    def __init__(self, shape: dict[str, Any]) -> None:
-        super().__init__()
-        n_layer, n_head, n_embd = shape["n_layer"], shape["n_head"], shape["n_embd"]
-        self.llama = shape["block"] == "llama"
-        self.wte = nn.Embedding(shape["vocab_size"], n_embd)
-        if self.llama:
-            self.h = nn.ModuleList(LlamaBlock(n_embd, n_head, shape["hidden"]) for _ in range(n_layer))
-            self.ln_f = nn.RMSNorm(n_embd, eps=1e-5)
-            head_dim = n_embd // n_head
-            inv_freq = 10000.0 ** -(torch.arange(0, head_dim, 2) / head_dim)
-            freqs = torch.outer(torch.arange(shape["block_size"]), inv_freq)
-            self.register_buffer("cos", freqs.cos().repeat(1, 2), persistent=False)
-            self.register_buffer("sin", freqs.sin().repeat(1, 2), persistent=False)
-        else:
-            self.wpe = nn.Embedding(shape["block_size"], n_embd)
-            self.h = nn.ModuleList(GPT2Block(n_embd, n_head) for _ in range(n_layer))
-            self.ln_f = nn.LayerNorm(n_embd, bias=False)
-        self.lm_head = nn.Linear(n_embd, shape["vocab_size"], bias=False)
-        self.wte.weight = self.lm_head.weight
-        for name, p in self.named_parameters():
-            if p.ndim == 2:
-                std = 0.02 / math.sqrt(2 * n_layer) if name.endswith("c_proj.weight") else 0.02
-                nn.init.normal_(p, std=std)
-
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        T = idx.size(1)
-        x = self.wte(idx)
-        rope = (self.cos[:T], self.sin[:T]) if self.llama else None
-        if not self.llama:
-            x = x + self.wpe(torch.arange(T, device=idx.device))
-        for block in self.h:
-            x = block(x, rope)
-        logits = self.lm_head(self.ln_f(x))
-        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
-
-
+# ---- the peer: nanogpt_peer's model and nanoGPT's step, timed in this process ------------------------
 def train_peer(
     shape: dict[str, Any], train_bin: Path, steps: int, warmup: int, device: torch.device, compile: bool
 ) -> dict:
-    """nanoGPT's training loop, trimmed to one device and no evaluation."""
-    batch_size, block_size = shape["batch_size"], shape["block_size"]
-    log_interval, lr, min_lr, warmup_iters = 10, 2e-3, 2e-4, 50
+    """nanoGPT's training step (``nanogpt_peer.train`` without its evaluations and checkpoints)."""
     model = PeerGPT(shape).to(device)
+    optimizer = configure_optimizer(model, device, lr=2e-3)
     if compile:
         model = torch.compile(model)
-    params = [p for p in model.parameters() if p.requires_grad]
-    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
-              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-    optimizer = torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), fused=True)
-
-    def get_batch() -> tuple[torch.Tensor, torch.Tensor]:
-        data = np.memmap(train_bin, dtype=shape["dtype"], mode="r")  # re-opened per batch, as nanoGPT does
-        ix = torch.randint(len(data) - block_size, (batch_size,))
-        x = torch.stack([torch.from_numpy(data[i : i + block_size].astype(np.int64)) for i in ix])
-        y = torch.stack([torch.from_numpy(data[i + 1 : i + 1 + block_size].astype(np.int64)) for i in ix])
-        if device.type == "cuda":
-            return x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
-        return x, y
-
-    def get_lr(it: int) -> float:
-        if it < warmup_iters:
-            return lr * (it + 1) / (warmup_iters + 1)
-        ratio = (it - warmup_iters) / max(1, steps - warmup_iters)
-        return min_lr + 0.5 * (1.0 + math.cos(math.pi * min(ratio, 1.0))) * (lr - min_lr)
-
+    get_batch = batch_reader(train_bin, shape, device)
     X, Y = get_batch()
     for it in range(steps):
         if it == warmup:
             synchronize(device)
             start = clock()
         for group in optimizer.param_groups:
-            group["lr"] = get_lr(it)
+            group["lr"] = cosine_lr(it, steps)
         loss = model(X, Y)
         X, Y = get_batch()  # prefetch the next batch while the device works
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        if it % log_interval == 0:
-            loss.item()  # what nanoGPT prints
+        if it % 10 == 0:  # nanoGPT's log_interval, as the config's log_every_n_steps
+            loss.item()
     synchronize(device)
     return per_step(start, clock(), steps - warmup)
 

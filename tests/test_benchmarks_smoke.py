@@ -190,3 +190,16 @@ def test_startup_smoke(tmp_path: Path) -> None:
     for name in ("--help (top level)", "prepare --help", "fit pretrain-tiny.yaml, to its first step"):
         for clock in ("cpu", "wall"):
             check_comparison(payload["results"][name][clock], pairs=1)
+
+
+def test_whole_process_smoke(tmp_path: Path) -> None:
+    payload = run_smoke("whole_process.py", tmp_path / "whole_process.json", timeout=600)
+    assert payload["benchmark"] == "whole_process" and payload["smoke"] is True
+    rows = {"nanogpt, same block", "nanogpt, GPT-2 block", "nanogpt compiled, GPT-2 block"}
+    assert set(payload["results"]) == rows  # no --baseline: no release row
+    for row in payload["results"].values():
+        for part in ("wall", "cpu", "startup", "step", "validation", "checkpoint"):
+            check_comparison(row[part], pairs=1)
+        assert row["tokens_per_s"]["a"] > 0 and row["tokens_per_s"]["b"] > 0
+    assert Path(payload["setup"]["imported"]["tree"]).is_relative_to(REPO)
+

@@ -24,18 +24,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.pipelining import PipelineStage
-from torch.distributed.pipelining.schedules import (
-    PipelineScheduleSingle,
-    Schedule1F1B,
-    ScheduleGPipe,
-    ScheduleInterleaved1F1B,
-)
 
 from lightning_train.errors import UserInputError
 from lightning_train.strategies.tensor_parallel import match_grad_placement
 
-SCHEDULES = {"1F1B": Schedule1F1B, "GPipe": ScheduleGPipe, "Interleaved1F1B": ScheduleInterleaved1F1B}
+# torch.distributed.pipelining is imported by Pipeline only: every one-process fit imports this module (the
+# memory estimate's stage split), and the import costs it ~30 ms
+SCHEDULES = {"1F1B": "Schedule1F1B", "GPipe": "ScheduleGPipe", "Interleaved1F1B": "ScheduleInterleaved1F1B"}
 LossFn = Callable[[Tensor, Tensor], Tensor]
 
 
@@ -201,11 +196,14 @@ class Pipeline:
         self._tied = holder.embed.weight if holder is not None else None
         self._tied_copy = self._tied if 0 not in stage_ids else None
         self.last_stage_rank = dist.get_global_rank(group, (num_stages - 1) % dist.get_world_size(group))
+        from torch.distributed.pipelining import PipelineStage, schedules
+
         self._stages = [
             PipelineStage(module, index, num_stages, device, group=group)
             for module, index in zip(stage_modules, stage_ids, strict=True)
         ]
-        self._schedule_class = SCHEDULES[schedule]
+        self._schedule_class = getattr(schedules, SCHEDULES[schedule])
+        self._single = issubclass(self._schedule_class, schedules.PipelineScheduleSingle)
         self._train_schedule = self._make_schedule(self._weighted_loss)
         self._eval_schedules: dict[int, Any] = {}  # by microbatch count: the last batch may be smaller
         self._loss_fn: LossFn | None = None
@@ -216,7 +214,7 @@ class Pipeline:
     def _make_schedule(self, loss_fn: LossFn | None, microbatches: int | None = None) -> Any:
         n = microbatches or self.microbatches
         # scale_grads=False: _weighted_loss already weights each microbatch by its share of the batch
-        if issubclass(self._schedule_class, PipelineScheduleSingle):
+        if self._single:
             return self._schedule_class(self._stages[0], n, loss_fn=loss_fn, scale_grads=False)
         return self._schedule_class(self._stages, n, loss_fn=loss_fn, scale_grads=False)
 
