@@ -4,7 +4,7 @@ stage finds in a one-process checkpoint (the multi-rank behaviour is tests/test_
 import pytest
 import torch
 
-from lightning_train.checkpoint.sharded import name_optimizer_states, optimizer_state_by_name
+from lightning_train.checkpoint.optimizer_state import name_optimizer_states, optimizer_state_by_name
 from lightning_train.errors import UserInputError
 from lightning_train.models.gpt import GPT, GPTConfig
 from lightning_train.strategies.pipeline import pipeline_stage_ids, split_blocks, stage_model

@@ -60,21 +60,32 @@ def test_the_package_face_imports_torch_only(tmp_path):
     assert result.stdout.strip() == "[]"
 
 
+TINY_FIT = (
+    "fit", "--config", str(REPO / "configs" / "pretrain-tiny.yaml"),
+    "--model.init_args.config.n_layer=1", "--model.init_args.config.n_embd=32",
+    "--model.init_args.config.n_head=2", "--model.init_args.config.block_size=16",
+    "--data.init_args.seq_len=16", "--data.init_args.batch_size=4", "--trainer.max_steps=4",
+    "--trainer.val_check_interval=2", "--trainer.limit_val_batches=1", "--trainer.log_every_n_steps=1",
+    "--trainer.enable_progress_bar=false", "--model.init_args.warmup_steps=1",
+)
+
+
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A 4-step run of a tiny model (in this process): a checkpoint and metrics for the tools to read."""
     work = tmp_path_factory.mktemp("startup")
-    code, _, err = run_main(
-        "fit", "--config", str(REPO / "configs" / "pretrain-tiny.yaml"),
-        f"--trainer.default_root_dir={work}/run",
-        "--model.init_args.config.n_layer=1", "--model.init_args.config.n_embd=32",
-        "--model.init_args.config.n_head=2", "--model.init_args.config.block_size=16",
-        "--data.init_args.seq_len=16", "--data.init_args.batch_size=4", "--trainer.max_steps=4",
-        "--trainer.val_check_interval=2", "--trainer.limit_val_batches=1", "--trainer.log_every_n_steps=1",
-        "--trainer.enable_progress_bar=false", "--model.init_args.warmup_steps=1",
-    )
+    code, _, err = run_main(*TINY_FIT, f"--trainer.default_root_dir={work}/run")
     assert code == 0, err[-3000:]
     return work
+
+
+def test_a_one_device_fit_imports_neither_sharded_checkpoints_nor_pipelining(tmp_path):
+    """torch.distributed.checkpoint and .pipelining (about 0.1 s each) are for runs that shard or pipeline;
+    a one-device fit that saves and validates does not import them."""
+    watched = ("torch.distributed.checkpoint", "torch.distributed.pipelining", "lightning")
+    loaded = imported([*TINY_FIT, f"--trainer.default_root_dir={tmp_path}/run"], tmp_path, watched)
+    assert loaded == ["lightning"]  # the control: the watch sees what the fit imported
+    assert (tmp_path / "run" / "checkpoints" / "last.ckpt").is_file()
 
 
 def tool_runs(work: Path) -> dict[str, list[str]]:

@@ -22,7 +22,7 @@ from torchmetrics import MeanMetric
 
 from lightning_train._compat import attached_trainer
 from lightning_train.callbacks._common import is_logging_step
-from lightning_train.checkpoint.sharded import name_optimizer_states
+from lightning_train.checkpoint.optimizer_state import name_optimizer_states
 from lightning_train.errors import UserInputError
 from lightning_train.models.float8 import check_float8_device, convert_to_float8
 from lightning_train.models.gpt import GPT, GPTConfig, padded_vocab_size

@@ -40,12 +40,6 @@ from lightning_train._compat import (
     sync_module_states,
 )
 from lightning_train.checkpoint.format import is_sharded_checkpoint
-from lightning_train.checkpoint.sharded import (
-    load_full_checkpoint,
-    load_sharded_checkpoint,
-    save_sharded_checkpoint,
-    sharded_optimizer_state,
-)
 from lightning_train.errors import UserInputError
 from lightning_train.strategies.memory import (
     GiB,
@@ -304,6 +298,9 @@ class DataParallelStrategy(ModelParallelStrategy):
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         if self.sharding == "ddp":
             return Strategy.optimizer_state(self, optimizer)
+        # checkpoint.sharded imports torch.distributed.checkpoint (~0.1 s): only runs that shard pay it
+        from lightning_train.checkpoint.sharded import sharded_optimizer_state
+
         return sharded_optimizer_state(self.model, optimizer)  # trainer.optimizers: plain torch ones
 
     def save_checkpoint(
@@ -318,6 +315,8 @@ class DataParallelStrategy(ModelParallelStrategy):
         """Write ``checkpoint`` as a sharded folder at ``path``, atomically and verifiably (see
         ``checkpoint.sharded.save_sharded_checkpoint``); in the background when the checkpoint plugin is
         ``AtomicCheckpointIO(async_save=True)``."""
+        from lightning_train.checkpoint.sharded import save_sharded_checkpoint
+
         path = Path(self.broadcast(str(path)))
         writer = getattr(self.checkpoint_io, "writer", None)
         if writer is not None and self._checkpoint_group is None:
@@ -336,6 +335,8 @@ class DataParallelStrategy(ModelParallelStrategy):
         if is_sharded_checkpoint(path):
             metadata = self.load_sharded_checkpoint(path, weights_only)
         elif self.sharding == "fsdp":  # a single file (one process, ddp) into sharded parameters
+            from lightning_train.checkpoint.sharded import load_full_checkpoint
+
             metadata = Strategy.load_checkpoint(self, path, weights_only)
             module = self.lightning_module
             load_full_checkpoint(
@@ -350,6 +351,8 @@ class DataParallelStrategy(ModelParallelStrategy):
     def load_sharded_checkpoint(self, path: Path, weights_only: bool | None = None) -> dict[str, Any]:
         """Load model and optimizer states from a sharded folder written at any world size (DCP
         re-shards on load); returns the rest of the checkpoint for Lightning to restore."""
+        from lightning_train.checkpoint.sharded import load_sharded_checkpoint
+
         module = self.lightning_module
         return load_sharded_checkpoint(
             path, module, self.optimizers, strict=module.strict_loading, is_verifier=self.global_rank == 0,
