@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import logging
 import os
 import random
 import subprocess
@@ -77,12 +78,42 @@ def run_main(*args: str) -> tuple[int, str, str]:
 
     out, err = io.StringIO(), io.StringIO()
     code = 0
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), _log_handlers_writing_to(err):
         try:
             main(list(args))
         except SystemExit as stopped:
             code = stopped.code
     return code, out.getvalue(), err.getvalue()
+
+
+@contextlib.contextmanager
+def _log_handlers_writing_to(stream: io.StringIO) -> Iterator[None]:
+    """Point the console handlers of every logger (Lightning's hold the stderr of their import) at
+    ``stream`` for a while, so that what a process would print to its console is captured too."""
+    loggers = [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]
+    handlers = {handler for logger in loggers if isinstance(logger, logging.Logger)
+                for handler in logger.handlers if type(handler) is logging.StreamHandler}
+    previous = {handler: handler.setStream(stream) for handler in handlers}
+    try:
+        yield
+    finally:
+        for handler, original in previous.items():
+            handler.setStream(original)
+
+
+def run_cli_in_process(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    """``run_cli`` without the new interpreter: ``run_main`` in ``cwd``, with the environment ``cli_env``
+    gives a subprocess. For tests of what a command answers; a test of the process itself (its exit
+    through a signal, its imports, its ranks) runs it with ``run_cli``."""
+    saved = dict(os.environ)
+    os.environ.update({name: value for name, value in cli_env().items() if name != "PYTHONPATH"})
+    try:
+        with contextlib.chdir(cwd):
+            code, out, err = run_main(*args)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    return subprocess.CompletedProcess(["lightning_train", *args], code, out, err)
 
 
 @pytest.fixture(scope="module")

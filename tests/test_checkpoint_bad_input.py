@@ -1,5 +1,6 @@
 """Bad checkpoint input, through every path a user passes one: one ``error:`` line naming the file and the
-fix, exit code 2, no traceback, and nothing in a hostile file executed."""
+fix, exit code 2, no traceback, and nothing in a hostile file executed (each command runs in this process
+from its argv on: a hostile file that ran would create its marker here as well)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch
 
 from lightning_train.checkpoint import consolidate, save_safetensors
 from lightning_train.models.gpt import GPT
-from tests.conftest import REPO, run_cli
+from tests.conftest import REPO, run_cli_in_process
 
 PRETRAIN = str(REPO / "configs" / "pretrain-tiny.yaml")
 FINETUNE = str(REPO / "configs" / "finetune-tiny.yaml")
@@ -87,7 +88,7 @@ def test_bad_checkpoint_is_one_error_line(tmp_path, where, kind):
         path, marker = (truncated if kind == "truncated" else foreign)(tmp_path), tmp_path / "EXECUTED"
     args = PATHS[where]
     root = ["--trainer.default_root_dir", str(tmp_path / "run")] if args[0] in ("fit", "validate") else []
-    result = run_cli(*args, str(path), *root, cwd=tmp_path)
+    result = run_cli_in_process(*args, str(path), *root, cwd=tmp_path)
     assert_one_error_line(result, path, FIXES[kind])
     assert not marker.exists()  # nothing in the file ran
 
@@ -106,12 +107,12 @@ def test_hostile_sharded_folder_runs_nothing(tmp_path, tiny_config):
 
     (folder / ".metadata").write_bytes(pickle.dumps(RunsCode(marker)))
     output = str(tmp_path / "x")
-    result = run_cli("consolidate", "--checkpoint", str(folder), "--output", output, cwd=tmp_path)
+    result = run_cli_in_process("consolidate", "--checkpoint", str(folder), "--output", output, cwd=tmp_path)
     assert_one_error_line(result, folder, "is not allowed in a DCP .metadata file")
     assert not marker.exists()
 
     torch.save({"hyper_parameters": {"config": tiny_config}, "payload": RunsCode(marker)}, folder / "meta.pt")
-    result = run_cli("generate", "--checkpoint", str(folder), "--prompt", "hi", cwd=tmp_path)
+    result = run_cli_in_process("generate", "--checkpoint", str(folder), "--prompt", "hi", cwd=tmp_path)
     assert_one_error_line(result, folder, "re-save its tensors")
     assert not marker.exists()
 

@@ -1,5 +1,7 @@
-"""Bad input through the CLI, as a user meets it: real subprocesses, exit code 2, exactly one
-``error:`` line naming the value and the fix, no traceback, nothing written."""
+"""Bad input through the CLI, as a user meets it: exit code 2, exactly one ``error:`` line naming the
+value and the fix, no traceback, nothing written. Each command runs in this process from its argv on
+(``run_cli_in_process``: the same code path without a new interpreter's seconds of start-up);
+tests/test_cli.py checks that a real process prints the same single line and exits 2."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, run_cli
+from tests.conftest import REPO, run_cli_in_process
 from tests.helpers.user_errors import MESSAGE
 
 CONFIG = str(REPO / "configs" / "pretrain-tiny.yaml")
@@ -54,7 +56,7 @@ def _files(folder: Path) -> set[Path]:
 def trained(tmp_path_factory) -> Path:
     """A run folder with a 2-step checkpoint of the tiny model (EvaluableModule, so `test` runs)."""
     root = tmp_path_factory.mktemp("trained") / "run"
-    result = run_cli(
+    result = run_cli_in_process(
         "fit", "--config", CONFIG, *TINY, *EVALUABLE, f"--trainer.default_root_dir={root}", cwd=root.parent
     )
     assert result.returncode == 0, result.stderr[-3000:]
@@ -76,7 +78,7 @@ def test_bad_input_raised_inside_a_run_is_its_own_error_line(tmp_path, trained, 
     # of the run's own loader, which the "loader" point replaces)
     resumes = subcommand != "fit" or point == "load_checkpoint"
     checkpoint = [f"--ckpt_path={trained / 'checkpoints' / 'last.ckpt'}"] if resumes else []
-    result = run_cli(
+    result = run_cli_in_process(
         subcommand,
         "--config",
         CONFIG,
@@ -95,7 +97,7 @@ def test_bad_input_raised_inside_a_run_is_its_own_error_line(tmp_path, trained, 
 # ---- --resume for validate and test ---------------------------------------------------------------
 def test_validate_and_test_resume_auto_use_the_newest_checkpoint(tmp_path, trained):
     for subcommand, metric in (("validate", "val/loss"), ("test", "test/loss")):
-        result = run_cli(
+        result = run_cli_in_process(
             subcommand,
             "--config",
             CONFIG,
@@ -111,7 +113,7 @@ def test_validate_and_test_resume_auto_use_the_newest_checkpoint(tmp_path, train
 
 
 def test_validate_resume_auto_without_a_checkpoint_refuses(tmp_path):
-    result = run_cli(
+    result = run_cli_in_process(
         "validate",
         "--config",
         CONFIG,
@@ -232,6 +234,6 @@ def test_bad_value_is_one_clear_error_line_and_nothing_written(tmp_path, args, e
         GPT(GPTConfig(vocab_size=258, block_size=32, n_layer=1, n_head=2, n_embd=32)), tmp_path / "model"
     )
     before = _files(tmp_path)
-    result = run_cli(*args, cwd=tmp_path)
+    result = run_cli_in_process(*args, cwd=tmp_path)
     _assert_one_clear_error(result, *expected)
     assert _files(tmp_path) == before
