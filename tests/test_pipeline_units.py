@@ -1,13 +1,21 @@
 """The pipeline's pure parts, in one process: the stage split, a stage's model, and the optimizer state a
 stage finds in a one-process checkpoint (the multi-rank behaviour is tests/test_pipeline_parallel.py)."""
 
+import re
+
 import pytest
 import torch
 
 from lightning_train.checkpoint.optimizer_state import name_optimizer_states, optimizer_state_by_name
 from lightning_train.errors import UserInputError
 from lightning_train.models.gpt import GPT, GPTConfig
-from lightning_train.strategies.pipeline import pipeline_stage_ids, split_blocks, stage_model
+from lightning_train.strategies.pipeline import (
+    check_pipeline,
+    check_stages,
+    pipeline_stage_ids,
+    split_blocks,
+    stage_model,
+)
 
 
 def _model(**overrides) -> GPT:
@@ -35,6 +43,34 @@ def test_split_balances_parameters_with_the_embedding_and_head_counted():
 def test_bad_splits_name_the_value_and_the_fix(stages, points, message):
     with pytest.raises(UserInputError, match=message.replace("[", r"\[").replace("]", r"\]")):
         split_blocks(_model(), stages, points)
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"pipeline_parallel": 0}, "pipeline_parallel=0: use an int >= 1"),
+        ({"schedule": "ZigZag"}, "pipeline_schedule='ZigZag' is not one of 1F1B, GPipe"),
+        ({"microbatches": 0}, "microbatches=0: use an int >= 1"),
+        ({"virtual_stages": 0}, "virtual_stages=0: use an int >= 1"),
+        ({"schedule": "Interleaved1F1B"}, "pipeline_schedule='Interleaved1F1B' with virtual_stages=1"),
+        ({"virtual_stages": 2}, "pipeline_schedule='1F1B' with virtual_stages=2"),
+        ({"pipeline_parallel": 1, "split_points": [2]}, "pipeline_split_points needs pipeline_parallel >= 2"),
+    ],
+)
+def test_bad_pipeline_options_name_the_value_and_the_fix(options, message):
+    given = {"pipeline_parallel": 2, "schedule": "1F1B", "microbatches": None, "virtual_stages": 1,
+             "split_points": None, **options}
+    with pytest.raises(UserInputError, match=re.escape(message)):
+        check_pipeline(**given)
+
+
+def test_a_model_too_shallow_for_its_stages_is_refused_naming_n_layer():
+    too_shallow = "2 pipeline stages need at least 2 blocks; the model has n_layer=1: lower pipeline_parallel"
+    with pytest.raises(UserInputError, match=re.escape(too_shallow)):
+        check_stages(2, n_layer=1, split_points=None)
+    with pytest.raises(UserInputError, match=re.escape("pipeline_split_points=[4] must be 1 increasing block "
+                                                       "indices in 1..3")):
+        check_stages(2, n_layer=4, split_points=[4])
 
 
 def test_a_stage_keeps_the_whole_models_names_and_modules():
