@@ -20,7 +20,7 @@ wall and CPU: the imports' share of the start-up.
 
     python benchmarks/whole_process.py --baseline /tmp/prev   # + the release row; 3 pairs a row
     python benchmarks/whole_process.py --rows nanogpt         # the nanoGPT rows only
-    python benchmarks/whole_process.py --smoke                # a tiny model, 4 steps
+    python benchmarks/whole_process.py --smoke                # a tiny model, 4 steps, the eager rows
 """
 
 from __future__ import annotations
@@ -165,6 +165,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.rows in ("all", "nanogpt"):
         files = {"train": train_bin, "val": train_bin.with_name(train_bin.name.replace("train", "val"))}
         for name, (block, compile) in NANOGPT_ROWS.items():
+            if compile and args.smoke:  # compiling is most of a smoke run; throughput.py's smoke compiles
+                continue
             ours = overrides + (["--model.init_args.compile=true"] if compile else [])
             row_shape, _ = peer_shape(overrides, block)
             peer = partial(peer_process, row_shape, files, steps, args.threads, compile, evaluation)
