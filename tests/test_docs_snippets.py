@@ -1,5 +1,6 @@
 """Every ```python snippet of README.md and docs/*.md runs, as written, in its own subprocess and
-temporary folder, so that none can rot. (```bash snippets are not run here; the CLI tests run the commands.)
+temporary folder, so that none can rot (the CLI runs that set one up run in the test's process).
+(```bash snippets are not run here; the CLI tests run the commands.)
 
 Shortening: ``max_steps=<n>`` in a snippet is replaced by ``max_steps=$LIGHTNING_TRAIN_DOCS_MAX_STEPS``
 (default 4) so that a 600-step example takes seconds; ``LIGHTNING_TRAIN_DOCS_MAX_STEPS=0`` runs every
@@ -20,6 +21,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from tests.conftest import run_cli_in_process
 
 REPO = Path(__file__).resolve().parents[1]
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
@@ -93,9 +96,8 @@ def test_snippet_runs(name: str, tmp_path: Path) -> None:
     if torch.cuda.device_count() < given.cuda_devices:
         pytest.skip(f"needs {given.cuda_devices} CUDA devices, this machine has {torch.cuda.device_count()}")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
-    for args in given.cli:
-        setup = subprocess.run([sys.executable, "-m", "lightning_train", *args], cwd=tmp_path, env=env,
-                               capture_output=True, text=True, timeout=300)
+    for args in given.cli:  # in this process: what the snippet reads, not how a process starts
+        setup = run_cli_in_process(*args, cwd=tmp_path)
         assert setup.returncode == 0, f"setting up {name}: {args}\n{setup.stdout}{setup.stderr}"
     prelude = SNIPPETS.get(given.prelude, given.prelude)
     script = tmp_path / "snippet.py"

@@ -16,7 +16,7 @@ from matplotlib.figure import Figure
 
 from lightning_train.errors import UserInputError
 from lightning_train.loggers.report import _plot_grad_norm, load_run, report
-from tests.conftest import REPO, run_cli
+from tests.conftest import REPO, run_cli, run_cli_in_process
 from tests.helpers.browser import NO_BROWSER, find_browser, render
 
 # configs/pretrain-tiny.yaml shrunk to seconds: 1 layer, 32 wide, validation every 4 steps
@@ -32,7 +32,8 @@ LAST = "--ckpt_path=runs/mixed/checkpoints/last.ckpt"
 
 
 def _cli(*args: str, cwd: Path) -> None:
-    result = run_cli(*args, cwd=cwd)
+    """A launch that makes what a report reads (in this process: its files are the point)."""
+    result = run_cli_in_process(*args, cwd=cwd)
     assert result.returncode == 0, result.stderr[-3000:]
 
 
