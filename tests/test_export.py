@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 
 from lightning_train import FinetuneModule
 from lightning_train.checkpoint import export, open_pretrained
+from lightning_train.data.bpe import train_bpe
 from lightning_train.data.sources import stdlib_sources
 from lightning_train.data.tokenizers import ByteTokenizer, HFTokenizer
 from lightning_train.models.gpt import GPT, GPTConfig
@@ -206,9 +207,28 @@ def test_consolidate_is_export_format_safetensors(tmp_path):
     for args in (["consolidate"], ["export", "--format", "safetensors"]):
         code, _, err = run_main(*args, "--checkpoint", checkpoint, "--output", str(tmp_path / args[0]))
         assert code == 0, err
-    assert sorted(p.name for p in (tmp_path / "export").iterdir()) == ["config.json", "model.safetensors"]
-    for name in ("config.json", "model.safetensors"):
+    written = ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
+    assert sorted(p.name for p in (tmp_path / "export").iterdir()) == written
+    for name in written:
         assert (tmp_path / "export" / name).read_bytes() == (tmp_path / "consolidate" / name).read_bytes()
+
+
+def test_safetensors_export_writes_the_runs_tokenizer(tmp_path):
+    """A run trained with a BPE tokenizer exports with it beside the weights: transformers loads the
+    folder's tokenizer and encodes as ours, and the folder reads back with that tokenizer."""
+    text = " ".join(path.read_text(encoding="utf-8") for path in stdlib_sources()[:3])
+    tokenizer_json = train_bpe([text], 320, tmp_path / "tokenizer.json")
+    model = trained_like(GPTConfig(**{**SMALL, "vocab_size": 320, "n_layer": 1}, n_head=2))
+    checkpoint = save_ckpt(model, tmp_path / "t.ckpt", model.config, tokenizer=str(tokenizer_json))
+    code, _, err = run_main("export", "--format", "safetensors", "--checkpoint", str(checkpoint),
+                            "--output", str(tmp_path / "export"))
+    assert code == 0, err
+    auto = transformers.AutoTokenizer.from_pretrained(tmp_path / "export")
+    ours = HFTokenizer(tokenizer_json)
+    sample = "def héllo(world):\n    return world + 1  # <|endoftext|>\n"
+    assert auto(sample)["input_ids"] == ours.encode(sample)
+    assert (auto.eos_token_id, auto.pad_token_id) == (ours.eos_id, ours.pad_id)
+    assert open_pretrained(tmp_path / "export").tokenizer == str(tmp_path / "export" / "tokenizer.json")
 
 
 def refusal_cases(tmp_path: Path) -> dict[str, tuple[list[str], str]]:

@@ -17,6 +17,7 @@ from lightning_train.checkpoint.export import (
     save_hf,
     save_peft_adapter,
     save_safetensors,
+    save_tokenizer,
 )
 from lightning_train.checkpoint.pretrained import open_pretrained
 from lightning_train.errors import UserInputError
@@ -45,9 +46,11 @@ def export(
             ``GPT2LMHeadModel`` for the GPT-2 block: config.json, model.safetensors, generation_config.json,
             tokenizer.json, tokenizer_config.json); a LoRA fine-tune's adapters are merged.
             ``safetensors``: our own ``model.safetensors`` + ``config.json`` (what ``consolidate``
-            writes). ``peft``: a LoRA fine-tune's adapters, unmerged, as a peft adapter folder
-            (adapter_config.json, adapter_model.safetensors) for the ``hf`` export of the model it
-            started from: ``PeftModel.from_pretrained(base, output)``.
+            writes), with the run's tokenizer beside them as for ``hf`` (tokenizer.json,
+            tokenizer_config.json) when the checkpoint names one. ``peft``: a LoRA fine-tune's
+            adapters, unmerged, as a peft adapter folder (adapter_config.json,
+            adapter_model.safetensors) for the ``hf`` export of the model it started from:
+            ``PeftModel.from_pretrained(base, output)``.
         overwrite: replace the files of an earlier export in ``output``.
         max_shard_size: above it the weights are split into ``model-0000i-of-0000n.safetensors`` with
             a ``model.safetensors.index.json`` (``hf`` only), e.g. ``5GB``, ``500MB`` or a byte count.
@@ -74,8 +77,12 @@ def export(
         )
     _check_output(target, overwrite)
     if format == "safetensors":
-        save_safetensors(pretrained.build(), target)
-        return [target / MODEL_FILE, target / CONFIG_FILE]
+        model = pretrained.build()
+        save_safetensors(model, target)
+        written = [target / MODEL_FILE, target / CONFIG_FILE]
+        if pretrained.tokenizer is not None:  # beside the weights, so the folder is usable on its own
+            written += save_tokenizer(pretrained.tokenizer, target, model.config.block_size)
+        return written
     if format == "peft":
         adapted = pretrained.build_adapted()
         return save_peft_adapter(adapted, pretrained.config, pretrained.lora, target, base_model)

@@ -59,7 +59,7 @@ def save_hf(
     generation = {**special, "do_sample": False}
     written.append(_write_json(output_dir / GENERATION_FILE, generation))
     if tokenizer is not None:
-        written += _write_tokenizer(tokenizer, output_dir, model.config.block_size)
+        written += save_tokenizer(tokenizer, output_dir, model.config.block_size)
     return sorted(written)
 
 
@@ -141,9 +141,11 @@ def _tokenizer_ids(tokenizer: str | None) -> dict[str, int]:
     return {"bos_token_id": loaded.eos_id, "eos_token_id": loaded.eos_id, "pad_token_id": loaded.pad_id}
 
 
-def _write_tokenizer(spec: str, output_dir: Path, block_size: int) -> list[Path]:
-    """The byte tokenizer built as a ``tokenizers`` tokenizer; an HF tokenizer.json copied, with its
-    tokenizer_config.json and special_tokens_map.json when they sit beside it."""
+def save_tokenizer(spec: str, output_dir: Path, block_size: int) -> list[Path]:
+    """Write the tokenizer named by ``spec`` so that ``transformers.AutoTokenizer`` loads it from
+    ``output_dir``: the byte tokenizer built as a ``tokenizers`` tokenizer; an HF (or trained BPE)
+    tokenizer.json copied, with its tokenizer_config.json and special_tokens_map.json when they sit
+    beside it. Returns the files written."""
     if spec == "byte":
         (output_dir / TOKENIZER_FILE).write_text(byte_tokenizer_json(), encoding="utf-8")
         names = ByteTokenizer.special_tokens
