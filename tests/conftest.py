@@ -23,6 +23,17 @@ from tests.helpers.tiny_runs import TINY
 REPO = Path(__file__).resolve().parents[1]
 
 
+@pytest.fixture(autouse=True)
+def no_process_group_left_behind(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Fail the test that leaves a default process group in this worker, not the later test whose own
+    group then cannot start ("trying to initialize the default process group twice")."""
+    yield
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+        pytest.fail(f"{request.node.nodeid} left a process group initialized", pytrace=False)
+
+
 @pytest.fixture
 def process_group() -> Iterator[None]:
     """A real one-process gloo group, gone after the test."""
@@ -83,7 +94,18 @@ def run_main(*args: str) -> tuple[int, str, str]:
             main(list(args))
         except SystemExit as stopped:
             code = stopped.code
+        finally:
+            _leave_process_group()
     return code, out.getvalue(), err.getvalue()
+
+
+def _leave_process_group() -> None:
+    """What a finished process's exit does for a run that joined a process group (an ``atexit`` handler,
+    which an in-process run never reaches): a later test in this worker can then start a group of its own."""
+    if "lightning_train.strategies.data_parallel" in sys.modules:
+        from lightning_train.strategies.data_parallel import leave_process_group
+
+        leave_process_group()
 
 
 @contextlib.contextmanager
