@@ -24,9 +24,10 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import contextlib
 import os
 import sys
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn, TypeAlias
 
@@ -149,6 +150,32 @@ def end_distributed_process(code: int) -> NoReturn:
     os._exit(code)
 
 
+def process_group_store() -> Any | None:
+    """The key-value store every rank of the default process group reaches (``_get_default_store``,
+    torch 2.x), or None outside a process group: torch has no public accessor for it."""
+    import torch
+
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return None
+    return torch.distributed.distributed_c10d._get_default_store()
+
+
+def forward_only_v_schedule(stages: Sequence[Any], microbatches: int) -> Any:
+    """A schedule whose ``eval`` runs ``stages`` placed in a V (rank r: stages r and 2 x pp - 1 - r):
+    ``ScheduleZBVZeroBubble`` with its input-gradient action skipped. torch's own V-shaped ``eval`` fails
+    on the rank holding two adjacent stages: that action hands a gradient between them without backward.
+    The skip drops the action's (empty) backward receive, ``bwd_recv_ops`` of ``_PipelineScheduleRuntime``
+    (torch 2.6-2.13), as the action would have."""
+    from torch.distributed.pipelining.schedules import BACKWARD_INPUT, ScheduleZBVZeroBubble
+
+    def skip_input_gradient(action: Any, context: Any) -> None:
+        context.schedule_ref.bwd_recv_ops.pop((action.stage_index, action.microbatch_index), None)
+
+    schedule = ScheduleZBVZeroBubble(list(stages), microbatches, loss_fn=None, scale_grads=False)
+    schedule.register_custom_function(BACKWARD_INPUT, skip_input_gradient)
+    return schedule
+
+
 # ---- Lightning: Trainer and loops -------------------------------------------------------------------------
 def batches_that_stepped(trainer: L.Trainer) -> int:
     """The step Lightning logs metrics at (``fit_loop.epoch_loop._batches_that_stepped``, Lightning 2.5-2.6;
@@ -190,6 +217,19 @@ def attached_trainer(module: Any) -> L.Trainer | None:
     LightningModule (``LightningModule._trainer``, Lightning 2.5-2.6; the public ``module.trainer`` raises
     when there is none)."""
     return getattr(module, "_trainer", None)
+
+
+@contextlib.contextmanager
+def logging_as_hook(module: L.LightningModule, hook_name: str) -> Iterator[None]:
+    """While inside, ``self.log`` of ``module`` logs as if called from ``hook_name`` (Lightning keys logged
+    values by ``LightningModule._current_fx_name``, Lightning 2.5-2.6): a step rerun from a callback hook
+    then updates the step's own ``training_step`` values instead of adding entries of the same name."""
+    previous = module._current_fx_name
+    module._current_fx_name = hook_name
+    try:
+        yield
+    finally:
+        module._current_fx_name = previous
 
 
 def after_closure(plugin: Any, model: L.LightningModule, optimizer: torch.optim.Optimizer) -> None:

@@ -167,6 +167,35 @@ print("never reached")
     assert (tmp_path / "handler-ran").exists()
 
 
+def test_process_group_store():
+    """The default group's store, shared by its ranks: set, get and a counter; None outside a group."""
+    assert _compat.process_group_store() is None
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        store = _compat.process_group_store()
+        store.set("compat-test", "7")
+        assert store.get("compat-test") == b"7" and store.add("compat-counter", 1) == 1
+    finally:
+        dist.destroy_process_group()
+
+
+def test_logging_as_hook():
+    """``self.log`` inside the context is keyed as the named hook's, and the current hook comes back after."""
+    keys: list[str] = []
+
+    class Logs(BoringModel):
+        def on_train_batch_end(self, *args: Any) -> None:
+            with _compat.logging_as_hook(self, "training_step"):
+                self.log("from_batch_end", 1.0)
+            assert self._current_fx_name == "on_train_batch_end"
+            keys.extend(self.trainer._results)  # noqa: SLF001 - Lightning's logged values, keyed by hook
+
+    trainer = L.Trainer(max_steps=1, accelerator="cpu", logger=False, enable_progress_bar=False,
+                        enable_checkpointing=False, enable_model_summary=False, limit_val_batches=0)
+    trainer.fit(Logs())
+    assert "training_step.from_batch_end" in keys, keys
+
+
 # ---- Lightning: Trainer and loops (one real fit, observed from a callback) --------------------------------
 class _Observer(L.Callback):
     def __init__(self, bar: TQDMProgressBar) -> None:

@@ -18,9 +18,10 @@ def print_line(text: str) -> None:
     sys.stdout.flush()
 
 
-def close_progress_bars() -> None:
-    """End every open tqdm bar, leaving its last state on screen, so that what follows starts on a
-    new line. Lightning closes its bars when training ends normally, but not when it ends by an
-    exception (a preemption, Ctrl-C, an abort)."""
+def close_progress_bars(leave: bool = True) -> None:
+    """End every open tqdm bar, leaving its last state on screen (``leave``) or clearing it, so that
+    what follows starts on a new line. Lightning closes its bars when training ends normally, but not
+    when it ends by an exception (a preemption, Ctrl-C, an abort)."""
     for bar in open_tqdm_bars():
+        bar.leave = leave
         bar.close()

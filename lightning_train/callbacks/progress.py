@@ -138,8 +138,13 @@ class TokenProgressBar(TQDMProgressBar):
         self._finish(trainer, pl_module)
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, error: BaseException) -> None:
-        if has_train_progress_bar(self):
-            self.train_progress_bar.close()  # the error (or Ctrl-C) message starts on its own line
+        if has_train_progress_bar(self) and not self.train_progress_bar.disable:
+            # The line ends where the bar last stood, so the error (or Ctrl-C) message starts on its own
+            # line; not redrawn, which would put the bar below an error line another rank printed since.
+            bar = self.train_progress_bar
+            bar.fp.write("\n")
+            bar.fp.flush()
+            bar.disable = True
 
     def _finish(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         """Draw the last state once and end the line."""

@@ -19,6 +19,12 @@ from typing import Any
 
 from lightning_train._lazy import lazy_exports
 from lightning_train._warnings import plain_package_warnings
+from lightning_train.cli._failure import (
+    claim_report,
+    clear_progress_bars,
+    peer_failure_code,
+    print_error_line,
+)
 from lightning_train.cli._parsers import PROG, SUBCOMMANDS, TOOLS, top_level_help
 from lightning_train.errors import TrainingAborted, UserInputError
 
@@ -77,9 +83,15 @@ def _main(argv: list[str] | None) -> None:
     except Exception as error:
         cause = _reported_cause(error)
         if cause is None:
-            raise
-        print(f"error: {cause}", file=sys.stderr)
-        sys.exit(3 if isinstance(cause, TrainingAborted) else 2)
+            peer_code = peer_failure_code()
+            if peer_code is None:
+                raise
+            clear_progress_bars()
+            sys.exit(peer_code)  # a peer rank reported the failure; this rank only lost it
+        code = 3 if isinstance(cause, TrainingAborted) else 2
+        if claim_report(code):  # one line per failure, not one per rank that found it
+            print_error_line(str(cause))
+        sys.exit(code)
 
 
 def _reported_cause(error: BaseException) -> UserInputError | TrainingAborted | None:

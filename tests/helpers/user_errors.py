@@ -5,7 +5,9 @@ line and exit code 2 wherever it is raised.
 ``load_checkpoint`` (restoring ``--ckpt_path``), ``first_batch`` (before the first batch of the
 subcommand's loop), ``batch_end`` (after it, as a health callback would) or ``loader`` (inside the
 data loader, when the loop starts iterating it: where Lightning's teardown used to raise an error
-of its own over it). ``EvaluableModule``/``EvaluableData`` add the test split that ``test`` needs.
+of its own over it); ``rank=N`` raises on global rank N only, as a bad input that one rank alone
+finds (its own data shard, its own file). ``EvaluableModule``/``EvaluableData`` add the test split that
+``test`` needs.
 """
 
 from __future__ import annotations
@@ -23,6 +25,12 @@ MESSAGE = "injected bad value at {point}; pass a good one"
 _LOADER_OF_STAGE = {"fit": "train_dataloader", "validate": "val_dataloader", "test": "test_dataloader"}
 
 
+def _global_rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
 class _RaisingLoader(DataLoader):
     """A DataLoader (so Lightning does not try iterating it while setting up) that raises when the
     loop starts iterating it, as a data position that does not fit the run does."""
@@ -35,13 +43,13 @@ class _RaisingLoader(DataLoader):
 
 
 class RaiseUserInputError(L.Callback):
-    def __init__(self, at: str) -> None:
+    def __init__(self, at: str, rank: int | None = None) -> None:
         if at not in POINTS:
             raise ValueError(f"at={at!r}: choose one of {POINTS}")
-        self.at = at
+        self.at, self.rank = at, rank
 
     def _maybe_raise(self, point: str) -> None:
-        if point == self.at:
+        if point == self.at and self.rank in (None, _global_rank()):
             raise UserInputError(MESSAGE.format(point=point))
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:

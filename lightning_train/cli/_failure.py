@@ -1,0 +1,79 @@
+"""One ``error:`` line per failure, whichever rank of a process group finds it.
+
+Every rank that meets a bad input raises it, and a rank that does not (it was waiting in a collective
+when its peer left) fails with the backend's own error. Ranks agree through the process group's
+key-value store: the first rank to report a failure prints it, the others exit with its code and print
+nothing. The store lives with torchrun's agent, which outlives its ranks, or with rank 0 under
+Lightning's own launch: a store that is gone means rank 0 has already ended, and a rank that then fails
+has only lost its peer (rank 0 printed its own reason), so it exits with ``LOST_PEER_EXIT_CODE`` quietly.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from lightning_train._compat import process_group_store
+
+_REPORTED_KEY = "lightning_train/failure_reported"
+_CODE_KEY = "lightning_train/failure_exit_code"
+LOST_PEER_EXIT_CODE = 1  # the launcher reports rank 0's own code; this one is only the consequence
+
+
+def claim_report(code: int) -> bool:
+    """Whether this process is the one to print its failure (exit ``code``): outside a process group
+    always; inside one, only the first rank to claim it."""
+    store = _store()
+    if store is None:
+        return True
+    try:
+        store.set(_CODE_KEY, str(code))  # before the claim: a rank that sees the claim finds the code
+        return store.add(_REPORTED_KEY, 1) == 1
+    except Exception:  # the store went with its host: say it rather than nothing
+        return True
+
+
+def peer_failure_code() -> int | None:
+    """The exit code of the failure another rank of this process group has already reported (this
+    rank's own error is then only the consequence of that rank leaving), ``LOST_PEER_EXIT_CODE`` when
+    the store went with its host (rank 0, which ended first and said why), or None."""
+    store = _store()
+    if store is None:
+        return None
+    try:
+        return int(store.get(_CODE_KEY)) if store.check([_REPORTED_KEY]) else None
+    except Exception:  # the store went with its host
+        return LOST_PEER_EXIT_CODE
+
+
+def clear_progress_bars() -> None:
+    """Take this process's bars off the screen: a rank that only lost its peer must not draw its bar
+    again below the peer's error line."""
+    if "tqdm" in sys.modules:
+        from lightning_train.callbacks._console import close_progress_bars
+
+        close_progress_bars(leave=False)
+        sys.stdout.flush()
+
+
+def print_error_line(message: str) -> None:
+    """``error: message`` on stderr at the start of a line: this process's open progress bar is ended
+    first; a rank other than 0 starts a new line, for rank 0 may be drawing its bar on the same console."""
+    if "tqdm" in sys.modules:  # only a run that drew a bar has one to end
+        from lightning_train.callbacks._console import close_progress_bars
+
+        close_progress_bars()
+        sys.stdout.flush()
+    lead = "\n" if _store() is not None and _global_rank() != 0 else ""
+    print(f"{lead}error: {message}", file=sys.stderr, flush=True)
+
+
+def _global_rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank()
+
+
+def _store() -> Any | None:
+    """The process group's store; torch is only asked when it is loaded (only a run loads it)."""
+    return process_group_store() if "torch" in sys.modules else None
