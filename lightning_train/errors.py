@@ -1,10 +1,11 @@
 """Every exception lightning_train raises for a user to catch: bad input, bad checkpoints, an aborted run,
 a stopped run. The CLI maps them to exit codes: 2 (``UserInputError`` and its subclasses), 3
-(``TrainingAborted``), 75 or 130 (``Preempted``)."""
+(``TrainingAborted``), 75 or 130 (``Preempted``), 77 or 75 (``FaultyNode``)."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 
 class UserInputError(ValueError):
@@ -66,3 +67,14 @@ class Preempted(SystemExit):
                  signal_name: str = "SIGTERM") -> None:
         super().__init__(code)
         self.checkpoint, self.step, self.signal_name = checkpoint, step, signal_name
+
+
+class FaultyNode(SystemExit):
+    """Raised by ``NaNRecovery(rerun=True)`` on every rank when a rerun of a step gave a different result
+    (silent data corruption), once the unchanged state is saved (``checkpoint``) and the verdict written
+    (``forensics``); the process exits with ``code``: 77 on the node of a suspect rank (requeue, excluding
+    that node), 75 on the others."""
+
+    def __init__(self, code: int, checkpoint: Path, forensics: Path, verdict: dict[str, Any]) -> None:
+        super().__init__(code)
+        self.checkpoint, self.forensics, self.verdict = checkpoint, forensics, verdict

@@ -13,6 +13,10 @@ The escalation ladder, checked at every optimizer step:
 3. **Abort** when a rollback is due after ``max_rollbacks`` of them: save the last good state as a
    checkpoint, write a forensic JSON, raise ``TrainingAborted`` (the CLI exits with code 3).
 
+With ``rerun=True`` a bad step is first rerun from the same state to tell a bad machine from a bad batch
+(``step_rerun``): a ``transient`` verdict (the rerun differs) saves the state and exits with code 77 on
+the faulty node, so a scheduler requeues the job without it; ``persistent`` and ``data`` go up the ladder.
+
 All ranks decide the same: the step's loss, gradient norm and the scaler's overflow flag are averaged
 over ranks in one all-reduce of three numbers and read on the host once. Overflows the GradScaler
 handles itself (finite loss, inf/NaN scaled gradients) are left to it and counted by it.
@@ -34,11 +38,12 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch.optim import Optimizer
 
 from lightning_train._compat import found_inf_per_device, handles_amp_scaling
-from lightning_train.callbacks._common import is_logging_step, log_metrics
+from lightning_train.callbacks._common import data_parallel_size, is_logging_step, log_metrics
 from lightning_train.callbacks._data_skip import skip_train_batches
 from lightning_train.callbacks._snapshot import HostSnapshot
 from lightning_train.callbacks.grad_norm import GradNormMonitor
 from lightning_train.callbacks.rng_state import rng_states
+from lightning_train.callbacks.step_rerun import StepRerun, Verdict, exit_faulty_node
 from lightning_train.errors import TrainingAborted, UserInputError
 from lightning_train.loggers.alerts import send_alert
 from lightning_train.plugins.precision import AmpPrecision, loss_scale_tensor
@@ -68,6 +73,12 @@ class NaNRecovery(Callback):
         lr_scale: LR factor for the ``lr_scale_steps`` steps after a rollback.
         lr_scale_steps: see ``lr_scale``; 0 leaves the LR alone.
         max_rollbacks: abort when one more rollback would be needed.
+        rerun: rerun a bad step from the same state on every rank before acting on it, and record the
+            verdict (``transient``: exit 77 on the faulty node; ``persistent``; ``data``) in the forensic
+            report, the event log and the alert. Data-parallel layouts (ddp, fsdp, one device).
+        rerun_every: also rerun every N-th healthy step with the batches on the next data-parallel rank
+            (0: never), to catch silent corruption that leaves the step finite; implies ``rerun``.
+        rerun_tolerance: the relative difference in a loss or gradient norm that makes a rerun "differ".
 
     Example (the loss of the third step is NaN; that step is skipped and training goes on):
 
@@ -130,6 +141,9 @@ class NaNRecovery(Callback):
         lr_scale: float = 1.0,
         lr_scale_steps: int = 0,
         max_rollbacks: int = 3,
+        rerun: bool = False,
+        rerun_every: int = 0,
+        rerun_tolerance: float = 1e-5,
     ) -> None:
         checks = {
             "spike_threshold": spike_threshold > 0, "window": window >= 2,
@@ -137,20 +151,23 @@ class NaNRecovery(Callback):
             "max_skips_in_window": max_skips_in_window >= 1, "skip_window": skip_window >= 1,
             "snapshot_every": snapshot_every >= 1, "skip_batches": skip_batches >= 0,
             "lr_scale": 0 < lr_scale <= 1, "lr_scale_steps": lr_scale_steps >= 0,
-            "max_rollbacks": max_rollbacks >= 0,
+            "max_rollbacks": max_rollbacks >= 0, "rerun_every": rerun_every >= 0,
+            "rerun_tolerance": 0 <= rerun_tolerance < 1,
         }
         for name, ok in checks.items():
             if not ok:
                 raise UserInputError(
                     f"NaNRecovery {name}={locals()[name]!r} is out of range: spike_threshold > 0, "
-                    "2 <= min_window <= window, 0 < lr_scale <= 1, counts >= 1 (skip_batches, "
-                    "lr_scale_steps, max_rollbacks >= 0)"
+                    "2 <= min_window <= window, 0 < lr_scale <= 1, 0 <= rerun_tolerance < 1, counts >= 1 "
+                    "(skip_batches, lr_scale_steps, max_rollbacks, rerun_every >= 0)"
                 )
         self.spike_threshold, self.window, self.min_window = spike_threshold, window, min_window
         self.grad_norm_spikes = grad_norm_spikes
         self.max_consecutive_skips, self.max_skips_in_window = max_consecutive_skips, max_skips_in_window
         self.skip_window, self.snapshot_every, self.skip_batches = skip_window, snapshot_every, skip_batches
         self.lr_scale, self.lr_scale_steps, self.max_rollbacks = lr_scale, lr_scale_steps, max_rollbacks
+        self.rerun, self.rerun_every = rerun or rerun_every > 0, rerun_every
+        self.rerun_tolerance = rerun_tolerance
         # ---- state (all of it in state_dict) ----
         self.skipped_steps = self.spikes = self.rollbacks = 0
         self.skipped_data: list[list[int]] = []  # [global_step, batches passed over] per rollback
@@ -167,6 +184,8 @@ class NaNRecovery(Callback):
         self._norm_source = GradNormMonitor(groups=1)
         self._step_loss: torch.Tensor | None = None
         self._escalate = False
+        self._step_rerun = StepRerun(rerun_tolerance, rerun_every) if self.rerun else None
+        self._faulty: Verdict | None = None  # a transient verdict: checkpoint and exit at the batch's end
         self._trained_since_snapshot = False  # a snapshot of an unchanged state would only relabel it
         self._reported_nbytes = 0
 
@@ -180,6 +199,11 @@ class NaNRecovery(Callback):
                 "NaNRecovery cannot skip steps of a fused optimizer under Lightning's 16-mixed "
                 "MixedPrecision (its gradients are still scaled in on_before_optimizer_step); use "
                 "plugins=[lightning_train.plugins.AmpPrecision('16-mixed', device)] or a non-fused optimizer"
+            )
+        if self.rerun and data_parallel_size(trainer) != trainer.world_size:
+            raise UserInputError(
+                "NaNRecovery(rerun=True) reruns steps on data-parallel layouts only (ddp, fsdp, one device); "
+                "this run splits the model over tensor or pipeline ranks: set rerun=false and rerun_every=0"
             )
         first, end = self._lr_scaled
         if end > first and self.lr_scale != 1:  # resumed inside a rollback's LR window
@@ -197,6 +221,8 @@ class NaNRecovery(Callback):
         step = trainer.global_step
         if step % self.snapshot_every == 0 and self._trained_since_snapshot and self._healthy():
             self._take_snapshot(trainer, pl_module)
+        if self._step_rerun is not None:
+            self._step_rerun.record(trainer, batch, batch_idx)
 
     def on_before_backward(
         self, trainer: L.Trainer, pl_module: L.LightningModule, loss: torch.Tensor
@@ -223,17 +249,23 @@ class NaNRecovery(Callback):
         if overflow > 0 and math.isfinite(loss_value):
             return  # the GradScaler's own overflow: it skips, backs off and is counted by LossScaleMonitor
         reason = self._judge(loss_value, norm_value)
-        if reason is None:
+        verdict = (self._step_rerun.verdict(trainer, pl_module, optimizer, reason is not None, loss, norm)
+                   if self._step_rerun is not None else None)
+        if verdict is not None and verdict.kind == "transient":
+            self._stop_for_faulty_node(trainer, optimizer, reason or "periodic rerun check", verdict)
+        elif reason is None:
             self._consecutive = 0
             self._trained_since_snapshot = True
             self._losses.append(loss_value)
             self._norms.append(norm_value)
         else:
-            self._skip(trainer, pl_module, optimizer, reason, loss_value, norm_value)
+            self._skip(trainer, pl_module, optimizer, reason, loss_value, norm_value, verdict)
 
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        if self._faulty is not None:
+            exit_faulty_node(trainer, self._faulty, self._save_with_forensics)
         if self._escalate:
             self._escalate = False
             if self.rollbacks >= self.max_rollbacks:
@@ -258,7 +290,7 @@ class NaNRecovery(Callback):
 
     def _skip(
         self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Optimizer, reason: str,
-        loss: float, norm: float,
+        loss: float, norm: float, verdict: Verdict | None = None,
     ) -> None:
         step = trainer.global_step
         norms = self._norm_source.step_norms(trainer, pl_module)  # this step's, measured before the skip
@@ -272,9 +304,11 @@ class NaNRecovery(Callback):
         while self._recent_skips[0] <= step - self.skip_window:
             self._recent_skips.popleft()
         self._bad_steps.append({"step": step, "batch_idx": trainer.fit_loop.total_batch_idx, "reason": reason,
-                                "loss": loss, "grad_norm": norm, "grad_norm_per_group": group_norms})
-        self._event(step, "skip", reason)
-        send_alert(trainer, "NaNRecovery skipped a step", f"step {step}: {reason}; parameters, optimizer, "
+                                "loss": loss, "grad_norm": norm, "grad_norm_per_group": group_norms,
+                                "rerun": verdict.as_dict() if verdict else None})
+        said = f"{reason}; rerun: {verdict.kind} ({verdict.detail})" if verdict else reason
+        self._event(step, "skip", said)
+        send_alert(trainer, "NaNRecovery skipped a step", f"step {step}: {said}; parameters, optimizer, "
                    f"LR schedule and loss scale left unchanged ({self.skipped_steps} skipped so far)")
         self._escalate = (self._consecutive >= self.max_consecutive_skips
                           or len(self._recent_skips) >= self.max_skips_in_window)
@@ -306,15 +340,8 @@ class NaNRecovery(Callback):
         reason = (f"{self.max_rollbacks} rollbacks did not stop the bad steps "
                   f"(last: {self._bad_steps[-1]['reason'] if self._bad_steps else 'n/a'})")
         self._event(step, "abort", f"{reason}; saved the snapshot of step {self.snapshot.step}")
-        dirpath = getattr(trainer.checkpoint_callback, "dirpath", None)
-        folder = Path(dirpath or Path(trainer.default_root_dir, "checkpoints"))
-        checkpoint = folder / f"nan-recovery-abort-step={step}.ckpt"
-        forensics = Path(trainer.log_dir or trainer.default_root_dir) / FORENSICS_FILE
-        trainer.save_checkpoint(checkpoint, weights_only=False)  # every rank (collective when sharded)
-        if trainer.is_global_zero:
-            forensics.parent.mkdir(parents=True, exist_ok=True)
-            report = _json_safe(self._forensics(trainer, reason, checkpoint))
-            forensics.write_text(json.dumps(report, indent=2))
+        name = f"nan-recovery-abort-step={step}.ckpt"
+        checkpoint, forensics = self._save_with_forensics(trainer, name, reason)
         send_alert(trainer, "NaNRecovery aborted training", f"{reason}; checkpoint {checkpoint}, "
                    f"forensics {forensics}", "ERROR")
         raise TrainingAborted(
@@ -322,7 +349,34 @@ class NaNRecovery(Callback):
             f"saved to {checkpoint}, forensics in {forensics}", checkpoint, forensics,
         )
 
+    def _stop_for_faulty_node(
+        self, trainer: L.Trainer, optimizer: Optimizer, reason: str, verdict: Verdict
+    ) -> None:
+        step_control(trainer).skip(optimizer)  # the machine's result is not to be trusted: keep the state
+        self._bad_steps.append({"step": trainer.global_step, "batch_idx": trainer.fit_loop.total_batch_idx,
+                                "reason": reason, "rerun": verdict.as_dict()})
+        self._event(trainer.global_step, "rerun", f"{verdict.kind}: {verdict.detail}")
+        self._faulty = verdict
+
     # ---- helpers --------------------------------------------------------------------------------
+    @property
+    def reruns(self) -> int:
+        """Steps rerun so far: bad ones, and healthy ones under ``rerun_every``."""
+        return self._step_rerun.runs if self._step_rerun is not None else 0
+
+    def _save_with_forensics(self, trainer: L.Trainer, name: str, reason: str) -> tuple[Path, Path]:
+        """The current state as checkpoint ``name`` in the run's checkpoint folder (every rank: collective
+        when sharded) and the forensic report, written by rank zero."""
+        dirpath = getattr(trainer.checkpoint_callback, "dirpath", None)
+        checkpoint = Path(dirpath or Path(trainer.default_root_dir, "checkpoints")) / name
+        forensics = Path(trainer.log_dir or trainer.default_root_dir) / FORENSICS_FILE
+        trainer.save_checkpoint(checkpoint, weights_only=False)
+        if trainer.is_global_zero:
+            forensics.parent.mkdir(parents=True, exist_ok=True)
+            report = _json_safe(self._forensics(trainer, reason, checkpoint))
+            forensics.write_text(json.dumps(report, indent=2))
+        return checkpoint, forensics
+
     def _healthy(self) -> bool:
         return self._consecutive == 0 and not self._escalate
 
@@ -340,7 +394,7 @@ class NaNRecovery(Callback):
     def _log(self, trainer: L.Trainer) -> None:
         log_metrics(trainer, {
             "recovery/skipped_steps": self.skipped_steps, "recovery/spikes": self.spikes,
-            "recovery/rollbacks": self.rollbacks,
+            "recovery/rollbacks": self.rollbacks, "recovery/reruns": self.reruns,
             "recovery/skipped_batches": sum(batches for _, batches in self.skipped_data),
         })
 
@@ -348,20 +402,21 @@ class NaNRecovery(Callback):
         return {
             "step": trainer.global_step, "reason": reason, "checkpoint": str(checkpoint),
             "snapshot_step": self.snapshot.step, "skipped_steps": self.skipped_steps, "spikes": self.spikes,
-            "rollbacks": self.rollbacks, "bad_steps": list(self._bad_steps),
+            "rollbacks": self.rollbacks, "reruns": self.reruns, "bad_steps": list(self._bad_steps),
             "recent_steps": [{"step": s, "loss": loss, "grad_norm": norm} for s, loss, norm in self._recent],
             "skipped_data": self.skipped_data, "tried": list(self._events), "rng": rng_states(),
             "settings": {k: getattr(self, k) for k in (
                 "spike_threshold", "window", "min_window", "grad_norm_spikes", "max_consecutive_skips",
                 "max_skips_in_window", "skip_window", "snapshot_every", "skip_batches", "lr_scale",
-                "lr_scale_steps", "max_rollbacks")},
+                "lr_scale_steps", "max_rollbacks", "rerun", "rerun_every", "rerun_tolerance")},
         }
 
     # ---- checkpointing --------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         return {
             "skipped_steps": self.skipped_steps, "spikes": self.spikes, "rollbacks": self.rollbacks,
-            "skipped_data": self.skipped_data, "losses": list(self._losses), "norms": list(self._norms),
+            "reruns": self.reruns, "skipped_data": self.skipped_data, "losses": list(self._losses),
+            "norms": list(self._norms),
             "consecutive": self._consecutive, "recent_skips": list(self._recent_skips),
             "lr_scaled": list(self._lr_scaled), "bad_steps": list(self._bad_steps),
             "recent": list(self._recent), "events": list(self._events), "snapshot_step": self.snapshot.step,
@@ -370,6 +425,8 @@ class NaNRecovery(Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.skipped_steps, self.spikes = state_dict["skipped_steps"], state_dict["spikes"]
         self.rollbacks = state_dict["rollbacks"]
+        if self._step_rerun is not None:
+            self._step_rerun.runs = state_dict.get("reruns", 0)  # older checkpoints: none
         self.skipped_data = [list(r) for r in state_dict["skipped_data"]]
         self._losses.extend(state_dict["losses"])
         self._norms.extend(state_dict["norms"])

@@ -32,7 +32,7 @@ from lightning_train.callbacks.preemption import INTERRUPTED_EXIT_CODE
 from lightning_train.callbacks.progress import TOKENS_PER_SEC
 from lightning_train.callbacks.time_to_quality import TimeToQuality
 from lightning_train.checkpoint.format import read_manifest
-from lightning_train.errors import CorruptCheckpointError, Preempted, TrainingAborted
+from lightning_train.errors import CorruptCheckpointError, FaultyNode, Preempted, TrainingAborted
 
 SUMMARY_FILE = "summary.json"
 FINISHED_REASONS = ("target", "max_steps", "max_epochs")  # a rerun of these has nothing left to do
@@ -200,6 +200,11 @@ def _why_it_ended(trainer: L.Trainer) -> tuple[str, str]:
 def _why_it_was_stopped(error: BaseException, step: int) -> tuple[str, str] | None:
     if isinstance(error, TrainingAborted):
         return "aborted", f"Run aborted by NaNRecovery at step {step}"
+    if isinstance(error, FaultyNode):
+        suspects = error.verdict["suspects"]
+        return "faulty_node", (f"Run stopped at step {step}: rank(s) {suspects} computed the step "
+                               "differently when it was rerun (a faulty machine): checkpoint saved, "
+                               f"exit code {error.code}")
     if not isinstance(error, Preempted):
         return None
     if error.code != INTERRUPTED_EXIT_CODE:

@@ -23,22 +23,27 @@ class InjectFault(Callback):
 
     kinds: ``nan_loss`` (the module's output becomes NaN, so loss and gradients do), ``spike`` (the
     output is multiplied by ``factor``: a finite, much larger loss), ``inf_grad`` (one gradient entry of
-    the parameters whose name contains ``param`` becomes inf, after backward).
+    the parameters whose name contains ``param`` becomes inf, after backward), ``bad_batch`` (the batch's
+    first row becomes all zeros, a row ``PatternTokens`` never makes, and a forward of any batch holding
+    such a row gives NaN: the fault travels with the batch, whichever rank computes it).
+    ``once``: ``nan_loss``/``spike`` hit the step's first forward only (a transient fault: a rerun of the
+    step computes cleanly); otherwise every forward until the batch ends.
     Records ``trained_batches``: ``(global_step, input_ids)`` of every batch that reached ``training_step``.
     """
 
     def __init__(
         self,
-        kind: Literal["nan_loss", "spike", "inf_grad"] = "nan_loss",
+        kind: Literal["nan_loss", "spike", "inf_grad", "bad_batch"] = "nan_loss",
         steps: list[int] | None = None,
         every: int | None = None,
         from_step: int | None = None,
         rank: int | None = None,
         param: str = "blocks.0.mlp",
         factor: float = 50.0,
+        once: bool = False,
     ) -> None:
         self.kind, self.steps, self.every, self.from_step = kind, set(steps or []), every, from_step
-        self.rank, self.param, self.factor = rank, param, factor
+        self.rank, self.param, self.factor, self.once = rank, param, factor, once
         self._hook: Any = None
         self.injected: list[int] = []
         self.trained_batches: list[tuple[int, torch.Tensor]] = []
@@ -49,13 +54,26 @@ class InjectFault(Callback):
                   or (self.from_step is not None and step >= self.from_step))
         return chosen and (self.rank is None or trainer.global_rank == self.rank)
 
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.kind == "bad_batch":  # for the whole run: NaN wherever a poisoned batch is computed
+            pl_module.register_forward_hook(_nan_for_poisoned_rows)
+
     def on_train_batch_start(
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
     ) -> None:
+        if self.kind == "bad_batch" and self._active(trainer):
+            batch["input_ids"][0] = 0
+            self.injected.append(trainer.global_step)
         self.trained_batches.append((trainer.global_step, batch["input_ids"].clone()))
         if self.kind in ("nan_loss", "spike") and self._active(trainer):
             factor = float("nan") if self.kind == "nan_loss" else self.factor
-            self._hook = pl_module.register_forward_hook(lambda module, args, output: output * factor)
+
+            def hit(module: Any, args: Any, output: torch.Tensor) -> torch.Tensor:
+                if self.once:
+                    self._hook.remove()
+                return output * factor
+
+            self._hook = pl_module.register_forward_hook(hit)
             self.injected.append(trainer.global_step)
 
     def on_after_backward(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -70,6 +88,15 @@ class InjectFault(Callback):
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
+
+
+def _nan_for_poisoned_rows(module: Any, args: tuple[Any, ...], output: Any) -> Any:
+    """A forward hook: NaN logits for token ids holding an all-zero row (DDP's redirected call of the
+    module with the whole batch, which Lightning makes too, passes through)."""
+    ids = args[0] if args else None
+    if isinstance(ids, torch.Tensor) and ids.dim() == 2 and (ids == 0).all(1).any():
+        return output * float("nan")
+    return output
 
 
 class PatternTokens(Dataset):
