@@ -15,9 +15,9 @@ from lightning_train.models.gpt import GPT, GPTConfig
 from tests.conftest import REPO, cli_env
 
 
-def run_smoke(script: str, out: Path, timeout: float = 240) -> dict:
+def run_smoke(script: str, out: Path, *flags: str, timeout: float = 240) -> dict:
     done = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / script), "--smoke", "--out", str(out)],
+        [sys.executable, str(REPO / "benchmarks" / script), "--smoke", "--out", str(out), *flags],
         cwd=REPO, env=cli_env(), capture_output=True, text=True, timeout=timeout,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -88,6 +88,17 @@ def test_watchdog_overhead_smoke(tmp_path: Path) -> None:
     for clock in ("cpu", "wall"):
         check_comparison(payload["results"][clock], pairs=1)
     assert payload["hooks_cpu_us_per_step"] > 0 and 0 < payload["hooks_share_of_step"] < 0.05
+
+
+@pytest.mark.parametrize("rerun", [False, True], ids=["recovery", "rerun"])
+def test_recovery_overhead_smoke(tmp_path: Path, rerun: bool) -> None:
+    payload = run_smoke("recovery_overhead.py", tmp_path / "recovery.json", *(["--rerun"] if rerun else []))
+    assert payload["benchmark"] == ("recovery_rerun_overhead" if rerun else "recovery_overhead")
+    for clock in ("cpu", "wall"):
+        check_comparison(payload["results"][clock], pairs=1)
+    if rerun:  # NaNRecovery's own hooks, timed inside the run, on both sides
+        check_comparison(payload["results"]["hooks_cpu"], pairs=1)
+        assert -1 < payload["results"]["rerun_share_of_step"]["median"] < 1
 
 
 def test_async_checkpoint_smoke(tmp_path: Path) -> None:
