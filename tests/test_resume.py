@@ -4,6 +4,7 @@ row, a sharded checkpoint needs its strategy, and resuming a run's own folder pr
 from __future__ import annotations
 
 import csv
+import shutil
 import warnings
 from pathlib import Path
 
@@ -108,26 +109,33 @@ def test_every_metric_keeps_its_step_across_a_resume(tmp_path: Path) -> None:
 
 @pytest.fixture(scope="module")
 def sharded_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A folder holding runs/sharded, whose last.ckpt is the folder lt_fsdp writes (step 2)."""
+    """A folder holding runs/sharded, whose last.ckpt is the folder lt_fsdp writes (step 2), and
+    runs/uninterrupted, the same run trained by lt_fsdp to step 4 in one go."""
     folder = tmp_path_factory.mktemp("sharded")
-    result = pretrain(folder, "sharded", 2, "--trainer.strategy=lt_fsdp")
-    assert result.returncode == 0, result.stderr[-3000:]
+    for name, steps in (("sharded", 2), ("uninterrupted", 4)):
+        result = pretrain(folder, name, steps, "--trainer.strategy=lt_fsdp")
+        assert result.returncode == 0, result.stderr[-3000:]
     assert (folder / "runs/sharded/checkpoints/last.ckpt").is_dir()
     return folder
 
 
 @pytest.mark.parametrize("how", [("--resume=auto",), ("--ckpt_path={last}", "--weights_only=false")],
                          ids=["resume-auto", "ckpt-path-full-load"])
-def test_a_sharded_checkpoint_resumed_without_its_strategy_is_one_error(
-    sharded_run: Path, how: tuple[str, ...]
+def test_a_sharded_checkpoint_resumes_with_the_default_strategy(
+    sharded_run: Path, tmp_path: Path, how: tuple[str, ...]
 ) -> None:
-    last = sharded_run / "runs/sharded/checkpoints/last.ckpt"
-    resumed = pretrain(sharded_run, "sharded", 4, *(arg.format(last=last) for arg in how))
-    errors = [line for line in resumed.stderr.splitlines() if line.startswith("error:")]
-    assert resumed.returncode == 2, resumed.stderr[-3000:]
-    assert "Traceback" not in resumed.stderr
-    assert len(errors) == 1 and "last.ckpt is a folder" in errors[0], resumed.stderr[-3000:]
-    assert "--trainer.strategy=lt_fsdp" in errors[0] and "consolidate" in errors[0]
+    """The lt_fsdp folder of step 2, resumed without naming a strategy (one process reads it whole), trains
+    on to step 4 as the uninterrupted lt_fsdp run did: the same losses after the resume."""
+    shutil.copytree(sharded_run / "runs/sharded", tmp_path / "runs/sharded")  # this case's own run
+    last = tmp_path / "runs/sharded/checkpoints/last.ckpt"
+    resumed = pretrain(tmp_path, "sharded", 4, *(arg.format(last=last) for arg in how))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "Restored all states from the checkpoint" in resumed.stdout + resumed.stderr
+    after_resume, expected = (
+        {step: float(loss) for step, loss in train_losses(run).items() if step >= 2}
+        for run in (tmp_path / "runs/sharded", sharded_run / "runs/uninterrupted")
+    )
+    assert after_resume and after_resume == pytest.approx(expected, rel=1e-5), (after_resume, expected)
 
 
 def test_the_not_empty_warning_stays_for_every_folder_but_the_resumed_one(tmp_path: Path) -> None:

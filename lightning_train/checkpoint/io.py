@@ -25,6 +25,7 @@ from lightning_train.checkpoint.format import (
     PARTIAL_SUFFIX,
     atomic_write_bytes,
     check_format_version,
+    is_sharded_checkpoint,
     read_checkpoint,
     sharded_folder_error,
     verify_checkpoint,
@@ -109,8 +110,12 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         path = Path(path)
         if not path.exists():
             raise UserInputError(f"checkpoint {path} does not exist; check the path (or use --resume auto)")
-        if path.is_dir():  # lt_fsdp/lt_ddp read their folders themselves; other strategies end up here
-            raise sharded_folder_error(path)
+        if path.is_dir():  # lt_fsdp/lt_ddp read their folders themselves; other strategies read it whole
+            if not is_sharded_checkpoint(path):
+                raise sharded_folder_error(path)
+            from lightning_train.checkpoint.sharded import read_whole_sharded_checkpoint  # imports DCP
+
+            return read_whole_sharded_checkpoint(path)
         if weights_only is False:  # the caller trusts the file: verified, then fully unpickled
             verify_checkpoint(path)
             checkpoint = torch.load(path, map_location=map_location, weights_only=False)

@@ -73,3 +73,41 @@ def optimizer_state_by_name(
             for group in state["param_groups"]
         ],
     }
+
+
+def numbered_optimizer_state(
+    by_name: dict[str, Any], module: nn.Module, param_groups: Sequence[dict[str, Any]]
+) -> dict[str, Any]:
+    """An optimizer state keyed by parameter name (``{"state": {name: ...}, "settings": {name: ...}}``, as
+    ``sharded.read_whole_sharded_checkpoint`` reads it from a folder) numbered the way
+    ``Optimizer.load_state_dict`` expects it of an optimizer built from ``param_groups`` over ``module``'s
+    parameters: the groups in order, each with the saved settings of its parameters.
+
+        >>> import torch
+        >>> model = torch.nn.Linear(2, 2)
+        >>> groups = [{"params": [model.weight], "lr": 0.1}, {"params": [model.bias], "lr": 0.2}]
+        >>> saved = {"state": {"bias": {"step": 3}}, "settings": {"weight": {"lr": 0.1}, "bias": {"lr": 0.2}}}
+        >>> numbered_optimizer_state(saved, model, groups)
+        {'state': {1: {'step': 3}}, 'param_groups': [{'lr': 0.1, 'params': [0]}, {'lr': 0.2, 'params': [1]}]}
+    """
+    name_of = {id(param): name for name, param in module.named_parameters()}
+    state: dict[int, Any] = {}
+    numbered: list[dict[str, Any]] = []
+    start = 0
+    for group in param_groups:
+        names = [name_of[id(param)] for param in group["params"]]
+        missing = [name for name in names if name not in by_name["settings"]]
+        if missing:
+            raise UserInputError(
+                f"the checkpoint's optimizer state has no entry for {len(missing)} of this model's "
+                f"parameters (e.g. {missing[:3]}); resume with the model and optimizer settings it was "
+                "trained with"
+            )
+        indices = list(range(start, start + len(names)))
+        start += len(names)
+        state.update({i: by_name["state"][name] for i, name in zip(indices, names, strict=True)
+                      if name in by_name["state"]})
+        own = {key: value for key, value in group.items() if key != "params"}  # a group with no parameters
+        settings = by_name["settings"][names[0]] if names else own
+        numbered.append({**settings, "params": indices})
+    return {"state": state, "param_groups": numbered}

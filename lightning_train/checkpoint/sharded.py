@@ -34,6 +34,7 @@ from lightning_train.checkpoint.format import (
     commit_checkpoint_dir,
     is_sharded_checkpoint,
     load_torch_file,
+    sharded_folder_error,
     verify_checkpoint,
 )
 from lightning_train.checkpoint.optimizer_state import optimizer_state_by_name
@@ -345,3 +346,44 @@ def read_metadata(path: str | Path, weights_only: bool = True) -> dict[str, Any]
     if not weights_only:
         return torch.load(file, map_location="cpu", weights_only=False)
     return load_torch_file(file)
+
+
+def read_whole_sharded_checkpoint(path: str | Path) -> dict[str, Any]:
+    """A sharded folder (written at any world size, flattened optimizer states) read whole in one process,
+    into the form a single file holds, for a strategy that restores through Lightning's own path (the
+    default one-device strategy): ``state_dict`` of whole tensors and ``meta.pt``'s entries, with each
+    optimizer's state keyed by parameter name as ``{"state": {name: ...}, "settings": {name: ...}}``
+    (``optimizer_state.numbered_optimizer_state`` numbers it for the module's optimizer). Verified
+    first, read through the safe reader and planner."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    verify_checkpoint(path)
+    if not all(_flat_param_groups(path, index) for index in range(_optimizer_count(path))):
+        raise sharded_folder_error(Path(path))  # written before optimizer states were keyed by name
+    items = _SafeReader(str(path)).read_metadata().state_dict_metadata
+    whole = {key: torch.empty(item.size, dtype=item.properties.dtype)
+             if isinstance(item, TensorStorageMetadata) else None for key, item in items.items()}
+    _load(whole, path)
+    checkpoint = read_metadata(path)
+    checkpoint["state_dict"] = {key.split(".", 1)[1]: value for key, value in whole.items()
+                                if key.startswith("state_dict.")}
+    checkpoint["optimizer_states"] = [_by_name(whole, f"optimizer_{index}.")
+                                      for index in range(_optimizer_count(path))]
+    return checkpoint
+
+
+def _optimizer_count(path: str | Path) -> int:
+    keys = _SafeReader(str(path)).read_metadata().state_dict_metadata
+    return len({key.split(".", 1)[0] for key in keys if key.startswith("optimizer_")})
+
+
+def _by_name(whole: Mapping[str, Any], prefix: str) -> dict[str, Any]:
+    """``prefix + "state.<parameter>.<key>"`` and ``prefix + "param_groups.<parameter>.<setting>"`` entries
+    as ``{"state": {parameter: {key: value}}, "settings": {parameter: {setting: value}}}``."""
+    grouped: dict[str, dict[str, dict[str, Any]]] = {"state": {}, "settings": {}}
+    for key, value in whole.items():
+        if key.startswith(prefix):
+            section, rest = key[len(prefix):].split(".", 1)
+            name, entry = rest.rsplit(".", 1)
+            grouped["state" if section == "state" else "settings"].setdefault(name, {})[entry] = value
+    return grouped

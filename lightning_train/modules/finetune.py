@@ -184,6 +184,7 @@ class FinetuneModule(PretrainModule):
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Refuse, with the fix, a checkpoint whose adapters sit on other layers than this model's (a
         fine-tune from before per-projection adapters: one adapter on the fused qkv)."""
+        super().on_load_checkpoint(checkpoint)
         if self.model is None or "state_dict" not in checkpoint:
             return
         saved = adapted_layers(checkpoint["state_dict"])

@@ -22,7 +22,7 @@ from torchmetrics import MeanMetric
 
 from lightning_train._compat import attached_trainer
 from lightning_train.callbacks._common import is_logging_step
-from lightning_train.checkpoint.optimizer_state import name_optimizer_states
+from lightning_train.checkpoint.optimizer_state import name_optimizer_states, numbered_optimizer_state
 from lightning_train.errors import UserInputError
 from lightning_train.models.float8 import check_float8_device, convert_to_float8
 from lightning_train.models.gpt import GPT, GPTConfig, padded_vocab_size
@@ -240,6 +240,15 @@ class PretrainModule(L.LightningModule):
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # a single file's optimizer states name their parameters: a pipeline stage resumes its own part
         name_optimizer_states(checkpoint, self, self.trainer.optimizers)
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        # a sharded folder read whole by a one-process strategy keys its optimizer state by parameter name:
+        # number it as this module's optimizer numbers its parameters (the optimizer is not built yet)
+        states = checkpoint.get("optimizer_states", [])
+        if states and "settings" in states[0]:
+            checkpoint["optimizer_states"] = [
+                numbered_optimizer_state(states[0], self, self.configure_param_groups()), *states[1:]
+            ]
 
     def _ends_step(self, batch_idx: int) -> bool:
         """Whether the optimizer steps after this batch (the last of ``accumulate_grad_batches``, or of the
