@@ -98,8 +98,8 @@ class StepRerun:
         self.runs += 1
         if said is not None:
             said.step = trainer.global_step
-        if said is not None and said.kind == "transient":
-            said.nodes, said.hosts = _places_of(trainer, said.suspects)
+            if said.kind == "transient":
+                said.nodes, said.hosts = _places_of(trainer, said.suspects)
         return said
 
     def judge_bad_step(
