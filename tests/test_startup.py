@@ -50,6 +50,13 @@ def test_top_level_help_imports_not_even_torch(tmp_path):
     assert imported(["--help"], tmp_path, (*HEAVY, "torch")) == []
 
 
+@pytest.mark.parametrize("tool", ["prepare", "generate", "dashboard"])
+def test_these_tools_help_imports_not_even_torch(tool, tmp_path):
+    """Their options are their own function's (``export`` and ``consolidate`` take the library's, whose
+    module needs torch)."""
+    assert imported([tool, "--help"], tmp_path, (*HEAVY, "torch")) == []
+
+
 def test_the_package_face_imports_torch_only(tmp_path):
     script = ("import sys\nfrom lightning_train import GPT, GPTConfig, UserInputError\n"
               "GPT(GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=8, vocab_size=64))\n"

@@ -2,14 +2,8 @@
 
 from __future__ import annotations
 
-import torch
-
-from lightning_train.checkpoint.pretrained import open_pretrained
 from lightning_train.cli._parsers import parse_tool_args
-from lightning_train.data.chat import chat_prompt
-from lightning_train.data.tokenizers import load_tokenizer
 from lightning_train.errors import UserInputError
-from lightning_train.models.generate import generate_batched
 
 
 def generate(
@@ -47,6 +41,14 @@ def generate(
         raise UserInputError(f"--temperature {temperature} must be >= 0 (0 is greedy), e.g. 0.8")
     if top_k is not None and top_k < 1:
         raise UserInputError(f"--top_k {top_k} must be at least 1, or left out to sample from every token")
+    # here, not at the top: `generate --help` answers without importing torch
+    import torch
+
+    from lightning_train.checkpoint.pretrained import open_pretrained
+    from lightning_train.data.chat import chat_prompt
+    from lightning_train.data.tokenizers import load_tokenizer
+    from lightning_train.models.generate import generate_batched
+
     torch.manual_seed(seed)
     pretrained = open_pretrained(checkpoint, allow_pickle=allow_pickle)
     spec = tokenizer or pretrained.tokenizer
