@@ -132,6 +132,26 @@ def test_ddp_comm_hook_name(process_group):
     assert _compat.ddp_comm_hook_name(model) == "fp16_compress_hook"
 
 
+def test_forward_only_v_schedule(process_group):
+    """One rank holding both stages of a V (pp=1): the two neighbouring stages where torch's own V-shaped
+    eval fails; the forward-only schedule gives the whole model's logits, twice (its state resets)."""
+    from torch.distributed.pipelining import PipelineStage
+
+    from lightning_train.models.gpt import GPT, GPTConfig
+    from lightning_train.strategies.pipeline import stage_model
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=64, n_layer=2, n_head=2, n_embd=16, block_size=8))
+    views = [stage_model(model, [0], True, False), stage_model(model, [1], False, True)]
+    stages = [PipelineStage(view, index, 2, torch.device("cpu")) for index, view in enumerate(views)]
+    schedule = _compat.forward_only_v_schedule(stages, 2)
+    tokens = torch.randint(0, 64, (4, 8))
+    with torch.no_grad():
+        expected = model(tokens)
+        for _ in range(2):
+            torch.testing.assert_close(schedule.eval(tokens), expected)
+
+
 def test_save_model_checkpoint_now(tmp_path):
     from lightning.pytorch.callbacks import ModelCheckpoint
 

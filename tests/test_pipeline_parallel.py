@@ -1,6 +1,7 @@
 """ParallelStrategy's pipeline parallelism on real gloo ranks, launched through the CLI as a user would:
-pp=2 under each schedule, tp2 x pp2 and dp2 x pp2 on 4 ranks give the one-process losses, gradient norms
-and weights; checkpoints move between pipeline and other layouts; bad layouts are refused with one line."""
+pp=2 under each schedule (the zero-bubble ones too), tp2 x pp2 and dp2 x pp2 on 4 ranks give the
+one-process losses, gradient norms and weights; checkpoints move between pipeline and other layouts; bad
+layouts are refused with one line."""
 
 import csv
 from pathlib import Path
@@ -77,6 +78,20 @@ LAYOUTS = {
     ),
     "pp2-Interleaved1F1B": (
         2, ["--trainer.strategy.pipeline_parallel=2", "--trainer.strategy.pipeline_schedule=Interleaved1F1B",
+            "--trainer.strategy.virtual_stages=2"],
+    ),
+    # zero bubble: the backward split into input and weight gradients, the latter filling the bubble
+    "pp2-InterleavedZeroBubble": (
+        2, ["--trainer.strategy.pipeline_parallel=2", "--trainer.strategy.virtual_stages=2",
+            "--trainer.strategy.pipeline_schedule=InterleavedZeroBubble"],
+    ),
+    # V-shaped: rank 0 runs stages 0 and 3 (the embedding and the head: one tied embedding, no copy)
+    "pp2-ZBVZeroBubble": (
+        2, ["--trainer.strategy.pipeline_parallel=2", "--trainer.strategy.pipeline_schedule=ZBVZeroBubble",
+            "--trainer.strategy.virtual_stages=2"],
+    ),
+    "pp2-DualPipeV": (
+        2, ["--trainer.strategy.pipeline_parallel=2", "--trainer.strategy.pipeline_schedule=DualPipeV",
             "--trainer.strategy.virtual_stages=2"],
     ),
     "tp2xpp2": (4, ["--trainer.strategy.pipeline_parallel=2", "--trainer.strategy.tensor_parallel=2"]),
@@ -174,6 +189,11 @@ def test_pipeline_checkpoints_move_between_layouts(tmp_path):
         (
             ["--trainer.strategy.pipeline_parallel=2", "--trainer.strategy.microbatches=3"],
             "a batch of 8 sequences does not split into microbatches=3",
+        ),
+        (
+            ["--trainer.strategy.pipeline_parallel=2", "--trainer.strategy.pipeline_schedule=ZBVZeroBubble",
+             "--trainer.strategy.virtual_stages=2", "--trainer.strategy.activation_checkpointing=true"],
+            "pipeline_schedule='ZBVZeroBubble' does not work with activation_checkpointing",
         ),
     ],
 )

@@ -9,9 +9,12 @@ import torch
 from lightning_train.checkpoint.optimizer_state import name_optimizer_states, optimizer_state_by_name
 from lightning_train.errors import UserInputError
 from lightning_train.models.gpt import GPT, GPTConfig
+from lightning_train.strategies.memory import estimate_layout
 from lightning_train.strategies.pipeline import (
     check_pipeline,
     check_stages,
+    check_zero_bubble,
+    last_stage_rank,
     pipeline_stage_ids,
     split_blocks,
     stage_model,
@@ -54,6 +57,14 @@ def test_bad_splits_name_the_value_and_the_fix(stages, points, message):
         ({"virtual_stages": 0}, "virtual_stages=0: use an int >= 1"),
         ({"schedule": "Interleaved1F1B"}, "pipeline_schedule='Interleaved1F1B' with virtual_stages=1"),
         ({"virtual_stages": 2}, "pipeline_schedule='1F1B' with virtual_stages=2"),
+        ({"schedule": "InterleavedZeroBubble"},
+         "pipeline_schedule='InterleavedZeroBubble' with virtual_stages=1"),
+        ({"schedule": "ZBVZeroBubble", "virtual_stages": 3},
+         "pipeline_schedule='ZBVZeroBubble' with virtual_stages=3: the V-shaped schedules run exactly 2 "
+         "stages per rank; set virtual_stages=2"),
+        ({"schedule": "DualPipeV", "virtual_stages": 2, "microbatches": 3},
+         "pipeline_schedule='DualPipeV' with microbatches=3: it needs one per stage at least; use "
+         "microbatches >= 4"),
         ({"pipeline_parallel": 1, "split_points": [2]}, "pipeline_split_points needs pipeline_parallel >= 2"),
     ],
 )
@@ -89,6 +100,62 @@ def test_a_stage_keeps_the_whole_models_names_and_modules():
 
 def test_interleaved_stages_loop_over_the_ranks():
     assert [pipeline_stage_ids(rank, 2, 2) for rank in (0, 1)] == [[0, 2], [1, 3]]
+    assert [pipeline_stage_ids(rank, 2, 2, "InterleavedZeroBubble") for rank in (0, 1)] == [[0, 2], [1, 3]]
+    assert last_stage_rank(2, "Interleaved1F1B") == 1
+
+
+@pytest.mark.parametrize("schedule", ["ZBVZeroBubble", "DualPipeV"])
+def test_v_shaped_stages_turn_back_to_rank_0(schedule):
+    """As torch places them (its stage-to-rank map, style "v"): rank 0 runs the first and the last stage."""
+    from torch.distributed.pipelining.schedules import generate_rank_to_stage_mapping
+
+    for pp in (2, 4):
+        placed = [pipeline_stage_ids(rank, pp, 2, schedule) for rank in range(pp)]
+        torch_placed = generate_rank_to_stage_mapping(pp, 2 * pp, style="v")
+        assert placed == [list(stages) for stages in torch_placed.values()]
+        assert last_stage_rank(pp, schedule) == 0
+    assert placed == [[0, 7], [1, 6], [2, 5], [3, 4]]
+
+
+def test_v_shaped_memory_estimate_puts_the_embedding_and_head_on_rank_0():
+    """ZBV: the fullest rank is 0, with blocks 0 and 3, the embedding and the head; interleaved, rank 1
+    holds the head beside blocks 1 and 3 (the loop's placement)."""
+    model = _model(vocab_size=2048, tie_embeddings=False)
+    options = {"pipeline_parallel": 2, "batch_size": 8, "seq_len": 16, "microbatches": 8, "virtual_stages": 2}
+    zbv = estimate_layout(model, schedule="ZBVZeroBubble", **options)
+    interleaved = estimate_layout(model, schedule="Interleaved1F1B", **options)
+    embed, head = model.embed.weight.numel(), model.lm_head.weight.numel()
+    block = sum(p.numel() for p in model.blocks[0].parameters())
+    norm = sum(p.numel() for p in model.norm.parameters())
+    states = 4 * 4  # fp32 weight, gradient and AdamW's two moments
+    assert (zbv.pipeline_rank, zbv.state_bytes) == (0, (embed + head + norm + 2 * block) * states)
+    assert (interleaved.pipeline_rank, interleaved.state_bytes) == (1, (head + norm + 2 * block) * states)
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"checkpointing": True},
+         "pipeline_schedule='ZBVZeroBubble' does not work with activation_checkpointing"),
+        ({"compiled": True}, "pipeline_schedule='ZBVZeroBubble' does not work with compile"),
+        ({"data_parallel": 2}, "pipeline_schedule='ZBVZeroBubble' with 2 data-parallel (FSDP) ranks"),
+        ({"tensor_parallel": 2},
+         "pipeline_schedule='ZBVZeroBubble' with tensor_parallel=2 and tied embeddings"),
+        ({"schedule": "InterleavedZeroBubble", "checkpointing": True},
+         "pipeline_schedule='InterleavedZeroBubble' does not work with activation_checkpointing"),
+    ],
+)
+def test_zero_bubble_refuses_what_it_cannot_train(options, message):
+    given = {"schedule": "ZBVZeroBubble", "data_parallel": 1, "tensor_parallel": 1, "tied": True,
+             "checkpointing": False, "compiled": False, **options}
+    with pytest.raises(UserInputError, match=re.escape(message)):
+        check_zero_bubble(**given)
+
+
+def test_what_zero_bubble_trains_is_not_refused():
+    check_zero_bubble("ZBVZeroBubble", 1, 2, tied=False, checkpointing=False, compiled=False)  # untied TP
+    check_zero_bubble("InterleavedZeroBubble", 1, 2, tied=True, checkpointing=False, compiled=False)
+    check_zero_bubble("1F1B", 4, 2, tied=True, checkpointing=True, compiled=True)  # not a zero-bubble one
 
 
 def test_a_stage_finds_its_own_optimizer_state_in_a_one_process_checkpoint():

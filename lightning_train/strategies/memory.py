@@ -23,7 +23,7 @@ from torch import nn
 
 from lightning_train.errors import UserInputError
 from lightning_train.strategies.parallelize import find_transformer
-from lightning_train.strategies.pipeline import pipeline_stage_ids, split_blocks, stage_model
+from lightning_train.strategies.pipeline import ZERO_BUBBLE, pipeline_stage_ids, split_blocks, stage_model
 
 ADAMW_STATES_PER_PARAM = 2  # exp_avg, exp_avg_sq: the optimizer every module here uses
 GiB = 2**30
@@ -239,7 +239,8 @@ def estimate_layout(
         )
     known = config is not None and batch_size is not None and seq_len is not None
     fullest = None
-    for rank, (part, blocks, last) in enumerate(_pipeline_ranks(model, transformer, p, virtual_stages)):
+    ranks = _pipeline_ranks(model, transformer, p, virtual_stages, schedule)
+    for rank, (part, blocks, last) in enumerate(ranks):
         params = {id(param): param for param in part.parameters()}.values()  # tied weights count once
         state = sum(_state_bytes(param, state_dtype, t) for param in params) / shard_size
         gathered = 0.0
@@ -262,16 +263,21 @@ def estimate_layout(
 
 
 def _pipeline_ranks(
-    model: nn.Module, transformer: nn.Module | None, pipeline_parallel: int, virtual_stages: int
+    model: nn.Module,
+    transformer: nn.Module | None,
+    pipeline_parallel: int,
+    virtual_stages: int,
+    schedule: str,
 ) -> list[tuple[nn.Module, list[nn.Module], bool]]:
-    """Per pipeline rank: the module holding its parameters, its blocks, and whether it computes the head."""
+    """Per pipeline rank: the module holding its parameters, its blocks, and whether it computes the head
+    (the V-shaped schedules: rank 0 holds the embedding and the head)."""
     if pipeline_parallel == 1:
         return [(model, list(getattr(transformer, "blocks", None) or [model]), True)]
     num_stages = pipeline_parallel * virtual_stages
     splits = split_blocks(transformer, num_stages)
     ranks = []
     for rank in range(pipeline_parallel):
-        stages = pipeline_stage_ids(rank, pipeline_parallel, virtual_stages)
+        stages = pipeline_stage_ids(rank, pipeline_parallel, virtual_stages, schedule)
         owned = [index for stage in stages for index in splits[stage]]
         first, last = 0 in stages, num_stages - 1 in stages
         blocks = [transformer.blocks[index] for index in owned]
@@ -300,12 +306,16 @@ def _in_flight(
     ``Schedule1F1B`` warm-up), so the first stage holds up to ``p`` microbatches of its ``n_layer / p``
     layers, as many layers' worth as one microbatch of the whole model (Korthikanti et al. 2022, on
     pipeline parallelism); interleaving over ``v`` virtual stages multiplies the first stage's by
-    ``1 + (p - 1) / (p * v)``."""
+    ``1 + (p - 1) / (p * v)``. The zero-bubble schedules keep a microbatch's activations until its
+    deferred weight gradient: every rank ``p`` microbatches' worth, DualPipeV half a one more (counted
+    from torch 2.13's orders)."""
     p = pipeline_parallel
     if p == 1:
         return 1.0
     if schedule == "GPipe":
         return float(microbatches)
+    if schedule in ZERO_BUBBLE:
+        return min(float(microbatches), p + (0.5 if schedule == "DualPipeV" else 0.0))
     extra = (p - 1) / virtual_stages if schedule == "Interleaved1F1B" else 0.0
     return min(float(microbatches), p - rank + extra)
 

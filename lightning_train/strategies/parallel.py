@@ -34,6 +34,8 @@ from lightning_train.strategies.pipeline import (
     check_microbatches,
     check_pipeline,
     check_stages,
+    check_zero_bubble,
+    last_stage_rank,
     pipeline_stage_ids,
     split_blocks,
     stage_model,
@@ -87,9 +89,12 @@ class ParallelStrategy(DataParallelStrategy):
         microbatches: microbatches per batch in the pipeline (None: 2 x stages); must divide the
             per-device batch size.
         pipeline_schedule: ``"1F1B"`` (one forward, one backward: the least activation memory),
-            ``"GPipe"`` (all forwards, then all backwards) or ``"Interleaved1F1B"`` (``virtual_stages``
-            stages per rank: a smaller bubble for more communication).
-        virtual_stages: stages per rank, for ``Interleaved1F1B`` (>= 2), else 1.
+            ``"GPipe"`` (all forwards, then all backwards), ``"Interleaved1F1B"`` (``virtual_stages``
+            stages per rank: a smaller bubble for more communication), or the zero-bubble ones (weight
+            gradients fill the bubble): ``"InterleavedZeroBubble"`` (the interleaved loop),
+            ``"ZBVZeroBubble"`` and ``"DualPipeV"`` (2 stages a rank in a V: rank 0 runs the first and the
+            last); docs/strategies.md says what they refuse.
+        virtual_stages: stages per rank: >= 2 for the interleaved schedules, 2 for the V-shaped ones, else 1.
         pipeline_split_points: the block indices where stages 2, 3, ... start; None: balanced by
             parameters.
         loss_parallel: with ``tensor_parallel`` > 1, keep the logits sharded by vocabulary and compute the
@@ -116,7 +121,9 @@ class ParallelStrategy(DataParallelStrategy):
         tensor_parallel: int | Literal["auto"] = 1,
         pipeline_parallel: int = 1,
         microbatches: int | None = None,
-        pipeline_schedule: Literal["1F1B", "GPipe", "Interleaved1F1B"] = "1F1B",
+        pipeline_schedule: Literal[
+            "1F1B", "GPipe", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"
+        ] = "1F1B",
         virtual_stages: int = 1,
         pipeline_split_points: Sequence[int] | None = None,
         loss_parallel: bool = True,
@@ -215,6 +222,14 @@ class ParallelStrategy(DataParallelStrategy):
         config = getattr(module, "config", None)
         check_tensor_parallel(self.tensor_parallel, config)
         if self.pipeline_parallel > 1:
+            model = find_transformer(module)
+            compiled = bool(getattr(module, "hparams", {}).get("compile")) or (
+                model is not None and is_compiled(model)
+            )
+            check_zero_bubble(
+                self.pipeline_schedule, self.data_parallel_size, self.tensor_parallel,
+                bool(getattr(config, "tie_embeddings", False)), self.activation_checkpointing, compiled,
+            )
             num_stages = self.pipeline_parallel * self.virtual_stages
             check_stages(num_stages, getattr(config, "n_layer", 0), self.pipeline_split_points)
             check_microbatches(getattr(datamodule, "batch_size", None), self.microbatches)
@@ -259,7 +274,9 @@ class ParallelStrategy(DataParallelStrategy):
         num_stages = self.pipeline_parallel * self.virtual_stages
         splits = split_blocks(model, num_stages, self.pipeline_split_points)
         pp_rank = self.device_mesh["pp"].get_local_rank()
-        self._stage_ids = pipeline_stage_ids(pp_rank, self.pipeline_parallel, self.virtual_stages)
+        self._stage_ids = pipeline_stage_ids(
+            pp_rank, self.pipeline_parallel, self.virtual_stages, self.pipeline_schedule
+        )
         self._stage_views = [
             stage_model(model, splits[i], i == 0, i == num_stages - 1) for i in self._stage_ids
         ]
@@ -297,11 +314,13 @@ class ParallelStrategy(DataParallelStrategy):
 
     def _tied_embedding_group(self, module: pl.LightningModule) -> dist.ProcessGroup | None:
         """The group of the first and the last stage's ranks of this rank's pipeline (a tied embedding's
-        two copies), created on every rank as ``new_subgroups_by_enumeration`` requires; None if untied."""
-        if not getattr(module.config, "tie_embeddings", False):
+        two copies), created on every rank as ``new_subgroups_by_enumeration`` requires; None if untied, or
+        if one rank runs both (the V-shaped schedules: one embedding, its gradients summed by autograd)."""
+        last = last_stage_rank(self.pipeline_parallel, self.pipeline_schedule)
+        if not getattr(module.config, "tie_embeddings", False) or last == 0:
             return None
         ranks = self.device_mesh.mesh  # (pp, dp_replicate, dp_shard, tp) global ranks
-        pairs = [[int(a), int(b)] for a, b in zip(ranks[0].flatten(), ranks[-1].flatten(), strict=True)]
+        pairs = [[int(a), int(b)] for a, b in zip(ranks[0].flatten(), ranks[last].flatten(), strict=True)]
         group, _ = dist.new_subgroups_by_enumeration(pairs, backend=dist.get_backend())
         return group  # None on the ranks of the middle stages
 

@@ -8,11 +8,12 @@ embedding takes hidden states, one without the head returns them.
 
 With tied embeddings the last stage keeps the embedding too (its weight is the head's); the two copies
 start equal (every rank builds the same model from the same seed) and stay equal because their
-gradients are summed after each backward (``Pipeline.sum_tied_grads``, Megatron's embedding group).
+gradients are summed after each backward (``Pipeline.sum_tied_grads``, Megatron's embedding group). The
+V-shaped schedules run the first and the last stage on one rank: one embedding, nothing to sum.
 
-``Pipeline`` runs a schedule (``1F1B``, ``GPipe``, ``Interleaved1F1B``) over the microbatches of one
-batch inside Lightning's training step: each microbatch's loss is weighted by its share of the batch's
-scored tokens, so the gradients, and the loss returned, are those of one process on the whole batch.
+``Pipeline`` runs a schedule (``SCHEDULES``) over the microbatches of one batch inside Lightning's
+training step: each microbatch's loss is weighted by its share of the batch's scored tokens, so the
+gradients, and the loss returned, are those of one process on the whole batch.
 """
 
 from __future__ import annotations
@@ -25,12 +26,25 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from lightning_train._compat import forward_only_v_schedule
 from lightning_train.errors import UserInputError
 from lightning_train.strategies.tensor_parallel import match_grad_placement
 
 # torch.distributed.pipelining is imported by Pipeline only: every one-process fit imports this module (the
 # memory estimate's stage split), and the import costs it ~30 ms
-SCHEDULES = {"1F1B": "Schedule1F1B", "GPipe": "ScheduleGPipe", "Interleaved1F1B": "ScheduleInterleaved1F1B"}
+SCHEDULES = {
+    "1F1B": "Schedule1F1B",
+    "GPipe": "ScheduleGPipe",
+    "Interleaved1F1B": "ScheduleInterleaved1F1B",
+    "InterleavedZeroBubble": "ScheduleInterleavedZeroBubble",
+    "ZBVZeroBubble": "ScheduleZBVZeroBubble",
+    "DualPipeV": "ScheduleDualPipeV",
+}
+# several stages per rank (virtual_stages >= 2); the V-shaped ones exactly two: stages r and 2 x pp - 1 - r
+MULTI_STAGE = ("Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+V_SHAPED = ("ZBVZeroBubble", "DualPipeV")
+# backward split into input and weight gradients (the weights' fill the bubble); torch refuses compile there
+ZERO_BUBBLE = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 LossFn = Callable[[Tensor, Tensor], Tensor]
 
 
@@ -50,13 +64,59 @@ def check_pipeline(
         raise UserInputError(f"microbatches={microbatches}: use an int >= 1 (or null: 2 x stages)")
     if virtual_stages < 1:
         raise UserInputError(f"virtual_stages={virtual_stages}: use an int >= 1")
-    if (virtual_stages > 1) != (schedule == "Interleaved1F1B"):
+    if schedule in V_SHAPED and virtual_stages != 2:
         raise UserInputError(
-            f"pipeline_schedule={schedule!r} with virtual_stages={virtual_stages}: Interleaved1F1B runs "
-            "virtual_stages >= 2 stages per rank, the other schedules one; set both together"
+            f"pipeline_schedule={schedule!r} with virtual_stages={virtual_stages}: the V-shaped schedules "
+            "run exactly 2 stages per rank; set virtual_stages=2"
+        )
+    if (virtual_stages > 1) != (schedule in MULTI_STAGE):
+        raise UserInputError(
+            f"pipeline_schedule={schedule!r} with virtual_stages={virtual_stages}: "
+            f"{', '.join(MULTI_STAGE)} run virtual_stages >= 2 stages per rank, the other schedules one; set "
+            "both together"
+        )
+    if schedule == "DualPipeV" and microbatches is not None and microbatches < 2 * pipeline_parallel:
+        raise UserInputError(
+            f"pipeline_schedule='DualPipeV' with microbatches={microbatches}: it needs one per stage at "
+            f"least; use microbatches >= {2 * pipeline_parallel} (2 x pipeline_parallel)"
         )
     if split_points is not None and pipeline_parallel == 1:
         raise UserInputError("pipeline_split_points needs pipeline_parallel >= 2; remove it")
+
+
+def check_zero_bubble(
+    schedule: str, data_parallel: int, tensor_parallel: int, tied: bool, checkpointing: bool, compiled: bool
+) -> None:
+    """Refuse what torch 2.13's zero-bubble schedules do not train correctly (each found by running it):
+    their backward, split into input and weight gradients, recomputes a checkpointed block twice (which
+    fails), is refused by torch under compile, and under FSDP gives other gradients than one process;
+    the V-shaped ones hold a tied embedding in two stages of one rank, which tensor parallelism shards
+    twice."""
+    if schedule not in ZERO_BUBBLE:
+        return
+    fix = "or use pipeline_schedule=Interleaved1F1B or 1F1B"
+    if checkpointing:
+        raise UserInputError(
+            f"pipeline_schedule={schedule!r} does not work with activation_checkpointing (the split backward "
+            f"recomputes a block twice); set activation_checkpointing=false, {fix}"
+        )
+    if compiled:
+        raise UserInputError(
+            f"pipeline_schedule={schedule!r} does not work with compile (torch does not split a compiled "
+            f"backward); set compile=false, {fix}"
+        )
+    if data_parallel > 1:
+        raise UserInputError(
+            f"pipeline_schedule={schedule!r} with {data_parallel} data-parallel (FSDP) ranks trains with "
+            "other gradients than one process under torch 2.13; use tensor_parallel x pipeline_parallel = "
+            f"the world size, {fix}"
+        )
+    if schedule in V_SHAPED and tensor_parallel > 1 and tied:
+        raise UserInputError(
+            f"pipeline_schedule={schedule!r} with tensor_parallel={tensor_parallel} and tied embeddings: "
+            "rank 0 holds the embedding in its first and last stage; set model.config.tie_embeddings=false, "
+            "or use InterleavedZeroBubble"
+        )
 
 
 def check_stages(num_stages: int, n_layer: int, split_points: Sequence[int] | None) -> None:
@@ -156,10 +216,19 @@ def stage_model(model: nn.Module, blocks: Sequence[int], first: bool, last: bool
     return stage
 
 
-def pipeline_stage_ids(pp_rank: int, pp_size: int, virtual_stages: int) -> list[int]:
-    """The stages rank ``pp_rank`` runs: one, or every ``pp_size``-th of ``pp_size * virtual_stages``
-    (the interleaved schedule's loop: rank 0 runs stages 0 and pp_size, ...)."""
+def pipeline_stage_ids(pp_rank: int, pp_size: int, virtual_stages: int, schedule: str = "1F1B") -> list[int]:
+    """The stages rank ``pp_rank`` runs, as torch's ``schedule`` places them: one, or every ``pp_size``-th
+    of ``pp_size * virtual_stages`` (the interleaved loop: rank 0 runs stages 0 and pp_size, ...), or for
+    the V-shaped schedules stages ``pp_rank`` and ``2 * pp_size - 1 - pp_rank`` (rank 0 runs the first and
+    the last: the embedding and the head on one rank)."""
+    if schedule in V_SHAPED:
+        return [pp_rank, 2 * pp_size - 1 - pp_rank]
     return [pp_rank + pp_size * v for v in range(virtual_stages)]
+
+
+def last_stage_rank(pp_size: int, schedule: str) -> int:
+    """The pipeline rank that runs the last stage (the head and the loss): the V turns back to rank 0."""
+    return 0 if schedule in V_SHAPED else pp_size - 1
 
 
 class Pipeline:
@@ -195,14 +264,15 @@ class Pipeline:
         holder = next((m for m in stage_modules if m.embed is not None), None) if tied_group else None
         self._tied = holder.embed.weight if holder is not None else None
         self._tied_copy = self._tied if 0 not in stage_ids else None
-        self.last_stage_rank = dist.get_global_rank(group, (num_stages - 1) % dist.get_world_size(group))
+        last_rank = last_stage_rank(dist.get_world_size(group), schedule)
+        self.last_stage_rank = dist.get_global_rank(group, last_rank)
         from torch.distributed.pipelining import PipelineStage, schedules
 
         self._stages = [
             PipelineStage(module, index, num_stages, device, group=group)
             for module, index in zip(stage_modules, stage_ids, strict=True)
         ]
-        self._schedule_class = getattr(schedules, SCHEDULES[schedule])
+        self._schedule_class, self._v_shaped = getattr(schedules, SCHEDULES[schedule]), schedule in V_SHAPED
         self._single = issubclass(self._schedule_class, schedules.PipelineScheduleSingle)
         self._train_schedule = self._make_schedule(self._weighted_loss)
         self._eval_schedules: dict[int, Any] = {}  # by microbatch count: the last batch may be smaller
@@ -217,6 +287,13 @@ class Pipeline:
         if self._single:
             return self._schedule_class(self._stages[0], n, loss_fn=loss_fn, scale_grads=False)
         return self._schedule_class(self._stages, n, loss_fn=loss_fn, scale_grads=False)
+
+    def _make_eval_schedule(self, microbatches: int) -> Any:
+        """A schedule for ``eval``: the training one's, but for the V-shaped schedules ZBV's without its
+        input-gradient action (torch 2.13's own V-shaped ``eval`` fails at the V's turn)."""
+        if self._v_shaped:
+            return forward_only_v_schedule(self._stages, microbatches)
+        return self._make_schedule(None, microbatches)
 
     def _weighted_loss(self, logits: Tensor, labels: Tensor) -> Tensor:
         tokens, accumulation = self._weights
@@ -260,7 +337,7 @@ class Pipeline:
         size = input_ids.shape[0]  # the most microbatches, up to the training's, that split the batch
         n = next(m for m in range(min(self.microbatches, size), 0, -1) if size % m == 0)
         if n not in self._eval_schedules:
-            self._eval_schedules[n] = self._make_schedule(None, n)
+            self._eval_schedules[n] = self._make_eval_schedule(n)
         return self._eval_schedules[n].eval(input_ids)
 
     def _broadcast_from_last(self, value: Tensor | None, like: Tensor) -> Tensor:
