@@ -66,6 +66,9 @@ def test_bad_splits_name_the_value_and_the_fix(stages, points, message):
          "pipeline_schedule='DualPipeV' with microbatches=3: it needs one per stage at least; use "
          "microbatches >= 4"),
         ({"pipeline_parallel": 1, "split_points": [2]}, "pipeline_split_points needs pipeline_parallel >= 2"),
+        ({"schedule": "Interleaved1F1B", "virtual_stages": 2, "microbatches": 5},
+         "pipeline_schedule='Interleaved1F1B' with microbatches=5: it runs them in 2 rounds, which must "
+         "divide them; use a multiple of pipeline_parallel (2)"),
     ],
 )
 def test_bad_pipeline_options_name_the_value_and_the_fix(options, message):
@@ -150,6 +153,12 @@ def test_zero_bubble_refuses_what_it_cannot_train(options, message):
              "checkpointing": False, "compiled": False, **options}
     with pytest.raises(UserInputError, match=re.escape(message)):
         check_zero_bubble(**given)
+
+
+@pytest.mark.parametrize("microbatches", [None, 1, 2, 3, 4, 6, 8])
+def test_microbatch_counts_torchs_interleaved_schedules_take_are_not_refused(microbatches):
+    for schedule in ("Interleaved1F1B", "InterleavedZeroBubble"):
+        check_pipeline(2, schedule, microbatches, virtual_stages=2, split_points=None)
 
 
 def test_what_zero_bubble_trains_is_not_refused():

@@ -80,6 +80,12 @@ def check_pipeline(
             f"pipeline_schedule='DualPipeV' with microbatches={microbatches}: it needs one per stage at "
             f"least; use microbatches >= {2 * pipeline_parallel} (2 x pipeline_parallel)"
         )
+    rounds = max(1, (microbatches or 1) // pipeline_parallel)  # torch's interleaved loops go in rounds
+    if schedule in ("Interleaved1F1B", "InterleavedZeroBubble") and microbatches and microbatches % rounds:
+        raise UserInputError(
+            f"pipeline_schedule={schedule!r} with microbatches={microbatches}: it runs them in {rounds} "
+            f"rounds, which must divide them; use a multiple of pipeline_parallel ({pipeline_parallel})"
+        )
     if split_points is not None and pipeline_parallel == 1:
         raise UserInputError("pipeline_split_points needs pipeline_parallel >= 2; remove it")
 
