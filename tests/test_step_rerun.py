@@ -101,6 +101,8 @@ def test_a_bad_batch_is_data_and_a_fault_of_one_rank_is_persistent(tmp_path):
         assert persistent["kind"] == "persistent" and "tied to rank(s) [1]" in persistent["detail"]
     alerts = next(tmp_path.glob("version_*/alerts.jsonl")).read_text()
     assert "rerun: data" in alerts and "rerun: persistent" in alerts
+    header = next(tmp_path.glob("version_*/metrics.csv")).read_text().splitlines()[0]
+    assert "recovery/reruns" in header.split(",")  # logged when reruns are on (only then)
 
 
 def test_one_process_cannot_tell_the_data_from_the_machine(tmp_path):

@@ -392,11 +392,14 @@ class NaNRecovery(Callback):
         self._events.append({"step": step, "action": action, "detail": detail})
 
     def _log(self, trainer: L.Trainer) -> None:
-        log_metrics(trainer, {
+        metrics = {
             "recovery/skipped_steps": self.skipped_steps, "recovery/spikes": self.spikes,
-            "recovery/rollbacks": self.rollbacks, "recovery/reruns": self.reruns,
+            "recovery/rollbacks": self.rollbacks,
             "recovery/skipped_batches": sum(batches for _, batches in self.skipped_data),
-        })
+        }
+        if self.rerun:  # a counter that can only stay 0 would be noise on every dashboard
+            metrics["recovery/reruns"] = self.reruns
+        log_metrics(trainer, metrics)
 
     def _forensics(self, trainer: L.Trainer, reason: str, checkpoint: Path) -> dict[str, Any]:
         return {
