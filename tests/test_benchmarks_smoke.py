@@ -121,7 +121,10 @@ def test_pipeline_bubble_smoke(tmp_path: Path) -> None:
     payload = run_smoke("pipeline_bubble.py", tmp_path / "pipeline_bubble.json")
     assert payload["benchmark"] == "pipeline_bubble" and payload["smoke"] is True
     results = payload["results"]
-    assert list(results) == ["2", "4", "8"]
+    assert list(results) == ["2", "4"]  # --smoke: 1F1B at two counts, and the V-shaped ZBV once
+    [v_shaped] = payload["schedules"]["ZBVZeroBubble"].values()
+    [one], [pp] = v_shaped["one_process_step_s"], v_shaped["pipeline_step_s"]
+    assert v_shaped["bubble_ideal"] == 0 and v_shaped["bubble_measured"] == pytest.approx(1 - (one / 2) / pp)
     for microbatches, result in results.items():
         [one], [pp] = result["one_process_step_s"], result["pipeline_step_s"]  # --smoke: one pair
         assert one > 0 and pp > 0
