@@ -358,23 +358,18 @@ def read_whole_sharded_checkpoint(path: str | Path) -> dict[str, Any]:
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     verify_checkpoint(path)
-    if not all(_flat_param_groups(path, index) for index in range(_optimizer_count(path))):
-        raise sharded_folder_error(Path(path))  # written before optimizer states were keyed by name
     items = _SafeReader(str(path)).read_metadata().state_dict_metadata
+    optimizers = range(len({key.split(".", 1)[0] for key in items if key.startswith("optimizer_")}))
+    if not all(_flat_param_groups(path, index) for index in optimizers):
+        raise sharded_folder_error(Path(path))  # written before optimizer states were keyed by name
     whole = {key: torch.empty(item.size, dtype=item.properties.dtype)
              if isinstance(item, TensorStorageMetadata) else None for key, item in items.items()}
     _load(whole, path)
     checkpoint = read_metadata(path)
     checkpoint["state_dict"] = {key.split(".", 1)[1]: value for key, value in whole.items()
                                 if key.startswith("state_dict.")}
-    checkpoint["optimizer_states"] = [_by_name(whole, f"optimizer_{index}.")
-                                      for index in range(_optimizer_count(path))]
+    checkpoint["optimizer_states"] = [_by_name(whole, f"optimizer_{index}.") for index in optimizers]
     return checkpoint
-
-
-def _optimizer_count(path: str | Path) -> int:
-    keys = _SafeReader(str(path)).read_metadata().state_dict_metadata
-    return len({key.split(".", 1)[0] for key in keys if key.startswith("optimizer_")})
 
 
 def _by_name(whole: Mapping[str, Any], prefix: str) -> dict[str, Any]:
