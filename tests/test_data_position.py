@@ -154,6 +154,8 @@ def fit_rows(
     ckpt_path: str | None = None,
     limit: int | float = 1.0,
     every: int | None = None,
+    global_batch_size: int | None = None,
+    accumulate: int = 1,
 ) -> list[tuple[int, ...]]:
     """Rows trained on, in order; checkpoints every ``every`` steps (None: at max_steps) or, with 0, as
     the CLI's ``save_last`` does: when the run stops, which Lightning records as the end of the epoch."""
@@ -163,8 +165,10 @@ def fit_rows(
         accelerator="cpu", devices=1, max_steps=max_steps, limit_train_batches=limit, limit_val_batches=0,
         logger=False, enable_progress_bar=False, enable_model_summary=False, default_root_dir=root,
         callbacks=[ModelCheckpoint(root, every_n_train_steps=every, save_top_k=-1, save_last=True)],
+        accumulate_grad_batches=accumulate,
     )  # fmt: skip
-    data = TextDataModule(str(dataset), seq_len=16, batch_size=batch_size, num_workers=num_workers)
+    data = TextDataModule(str(dataset), seq_len=16, batch_size=batch_size, num_workers=num_workers,
+                          global_batch_size=global_batch_size)
     trainer.fit(model, data, ckpt_path=ckpt_path)
     return model.rows
 
@@ -207,6 +211,25 @@ def test_resume_at_another_global_batch_repeats_and_skips_nothing(
     expected = epoch0 + rest + epoch1
     assert len(rows) == first_steps * before + resumed_steps * after
     assert rows == expected[: len(rows)]
+
+
+def test_global_batch_size_keeps_the_samples_of_a_step_when_the_batch_per_device_changes(
+    dataset: Path, tmp_path: Path
+):
+    """global_batch_size=8: 4 per device x 2 accumulated micro-batches, resumed as 8 x 1 (what a node lost
+    from a group does to the data-parallel size): 20 steps of 8 rows, in the one global order."""
+    rows = fit_rows(dataset, tmp_path / "a", 4, 10, global_batch_size=8)
+    assert len(rows) == 10 * 8
+    (ckpt,) = (tmp_path / "a").glob("*step=10.ckpt")
+    rows += fit_rows(dataset, tmp_path / "b", 8, 20, ckpt_path=str(ckpt), global_batch_size=8)
+    assert rows == stream_rows(dataset, 8, 1)[: 20 * 8]
+
+    with pytest.raises(UserInputError, match=r"global_batch_size=10 is not a multiple of batch_size=4 x 1 "
+                                             r"data-parallel ranks = 4; use a multiple of it"):
+        fit_rows(dataset, tmp_path / "c", 4, 1, global_batch_size=10)
+    with pytest.raises(UserInputError, match=r"--trainer.accumulate_grad_batches=2 and global_batch_size=8 "
+                                             r"both set the accumulation"):
+        fit_rows(dataset, tmp_path / "d", 4, 1, global_batch_size=8, accumulate=2)
 
 
 def test_resume_from_the_checkpoint_written_when_max_steps_stopped_the_run(dataset: Path, tmp_path: Path):

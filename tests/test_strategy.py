@@ -41,6 +41,16 @@ def test_mesh_that_does_not_divide_the_world_fails_before_launch():
         )
 
 
+def test_replicate_size_nodes_follows_the_node_count_of_each_launch():
+    strategy = DataParallelStrategy(sharding="fsdp", replicate_size="nodes")
+    for nodes in (1, 2, 3):  # an elastic group that lost a node, or gained one
+        strategy.num_nodes = nodes
+        assert strategy.replicate_size == nodes
+    with pytest.raises(UserInputError, match=r"replicate_size='node' does not divide .* or 'nodes'"):
+        L.Trainer(strategy=DataParallelStrategy(sharding="fsdp", replicate_size="node"), accelerator="cpu",
+                  devices=1)
+
+
 def test_memory_estimate_counts_adamw_states_and_shards(tiny_config):
     model = GPT(tiny_config)
     estimate = estimate_memory(model, shard_size=2, batch_size=4, seq_len=32)

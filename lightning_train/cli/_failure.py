@@ -10,6 +10,7 @@ has only lost its peer (rank 0 printed its own reason), so it exits with ``LOST_
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Any
 
@@ -21,11 +22,12 @@ LOST_PEER_EXIT_CODE = 1  # the launcher reports rank 0's own code; this one is o
 
 
 def claim_report(code: int) -> bool:
-    """Whether this process is the one to print its failure (exit ``code``): outside a process group
-    always; inside one, only the first rank to claim it."""
+    """Whether this process is the one to print its failure (exit ``code``): inside a process group,
+    only the first rank to claim it; before one (a bad config, which every rank of a launch reads), the
+    first process of each node, so that each node's log says why and once."""
     store = _store()
     if store is None:
-        return True
+        return first_process_of_node()
     try:
         store.set(_CODE_KEY, str(code))  # before the claim: a rank that sees the claim finds the code
         return store.add(_REPORTED_KEY, 1) == 1
@@ -66,6 +68,15 @@ def print_error_line(message: str) -> None:
         sys.stdout.flush()
     lead = "\n" if _store() is not None and _global_rank() != 0 else ""
     print(f"{lead}error: {message}", file=sys.stderr, flush=True)
+
+
+def first_process_of_node() -> bool:
+    """Whether this is local rank 0 as torchrun, Lightning's launcher or srun number a node's processes
+    (a process no launcher started is)."""
+    for name in ("LOCAL_RANK", "SLURM_LOCALID"):
+        if os.environ.get(name, "").isdigit():
+            return int(os.environ[name]) == 0
+    return True
 
 
 def _global_rank() -> int:

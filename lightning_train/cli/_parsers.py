@@ -14,6 +14,7 @@ from typing import Any
 from jsonargparse import ActionConfigFile, ArgumentParser, DefaultHelpFormatter
 
 from lightning_train._compat import subcommand_actions
+from lightning_train.cli._failure import first_process_of_node
 
 PROG = "python -m lightning_train"
 DESCRIPTION = "Train language models with Lightning."
@@ -72,7 +73,8 @@ class _OneLineErrors:
         message = " ".join(line.strip(" -") for line in message.splitlines() if line.strip())
         message = _short_type_error(message) or message
         prog = self.prog.replace(" [options]", "")
-        sys.stderr.write(f"error: {message}\ntip: run `{prog} --help` for the accepted options\n")
+        if first_process_of_node():  # every process of a launch parses the same command line
+            sys.stderr.write(f"error: {message}\ntip: run `{prog} --help` for the accepted options\n")
         sys.exit(2)
 
 
@@ -92,6 +94,12 @@ _UNION_ERROR = re.compile(
 )
 
 
+_NESTED_ERROR = re.compile(
+    r'Parser key "(?P<key>[^"]+)":.*Expected a dot import path string: (?P<name>\S+) .*'
+    r"Given value: NestedArg\(key='(?P<option>[^']+)', val=(?P<value>.*)\)"
+)
+
+
 _TYPE_ERROR = re.compile(
     r'^Parser key "(?P<key>[^"]+)": Expected a <class \'(?:[\w.]+\.)?(?P<type>\w+)\'>\. '
     r"Got value: (?P<value>\S*)"
@@ -105,6 +113,14 @@ def _with_article(name: str) -> str:
 def _short_type_error(message: str) -> str | None:
     """jsonargparse's message for a value of the wrong type (many lines for an option of several
     types) as one line: the option, the value and what it accepts."""
+    nested = _NESTED_ERROR.search(message)
+    if nested:  # an option of a class given by a registry name such as lt_fsdp, which takes none
+        value = nested["value"].strip("'")
+        return (
+            f"--{nested['key']}.{nested['option']}={value} needs the class named, not "
+            f"--{nested['key']}={nested['name']}; pass --{nested['key']}=CLASS_PATH (e.g. "
+            "lightning_train.strategies.DataParallelStrategy) and its options after it"
+        )
     single = _TYPE_ERROR.search(message)
     if single:
         wanted = "true or false" if single["type"] == "bool" else _with_article(single["type"])

@@ -46,6 +46,7 @@ from typing import Any
 import lightning as L
 import numpy as np
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from lightning_train._compat import restate_epoch_batches
@@ -304,21 +305,52 @@ class ResumableLoader(DataLoader):
 class ResumableDataModule(L.LightningDataModule):
     """The train and val loaders of a data module over map-style datasets ``train_set`` and ``val_set``.
 
-    A subclass sets ``batch_size``, ``seed``, ``num_workers``, builds the datasets in ``setup`` and may
-    override ``collate`` (batches of examples) and ``describe_train_set`` (for the too-small error).
+    A subclass sets ``batch_size``, ``seed``, ``num_workers`` and ``global_batch_size``, builds the
+    datasets in ``setup`` and may override ``collate`` (batches of examples) and ``describe_train_set``
+    (for the too-small error).
     """
 
     batch_size: int
+    global_batch_size: int | None = None
     seed: int
     num_workers: int
     train_set: Dataset | None
     val_set: Dataset | None
+    _accumulation: int | None = None  # what keep_global_batch set the Trainer's accumulation to
 
     def train_dataloader(self) -> ResumableLoader:
         limit = self.trainer.limit_train_batches if self.trainer is not None else 1.0
-        loader = self.train_loader(*self._data_parallel_rank(), limit_batches=limit)
+        rank, world_size = self._data_parallel_rank()
+        self.keep_global_batch(world_size)
+        loader = self.train_loader(rank, world_size, limit_batches=limit)
         loader.sampler.on_global_batch_change = self._recount_epoch_batches
         return loader
+
+    def keep_global_batch(self, data_parallel: int) -> None:
+        """With ``global_batch_size``: set the Trainer's ``accumulate_grad_batches`` so that each optimizer
+        step takes that many samples, whatever the data-parallel size of this launch (an elastic group
+        that comes back with fewer nodes accumulates more micro-batches of ``batch_size`` per rank)."""
+        if self.global_batch_size is None or self.trainer is None:
+            return
+        per_micro_batch = self.batch_size * data_parallel
+        wanted = self.global_batch_size
+        if wanted % per_micro_batch:
+            raise UserInputError(
+                f"global_batch_size={wanted} is not a multiple of batch_size={self.batch_size} "
+                f"x {data_parallel} data-parallel ranks = {per_micro_batch}; use a multiple of it (for an "
+                "elastic run, of batch_size x the data-parallel size at every node count it may have)"
+            )
+        given = self.trainer.accumulate_grad_batches
+        if given not in (1, self._accumulation):
+            raise UserInputError(
+                f"--trainer.accumulate_grad_batches={given} and global_batch_size={wanted} both set the "
+                "accumulation; drop --trainer.accumulate_grad_batches"
+            )
+        self._accumulation = self.trainer.accumulate_grad_batches = wanted // per_micro_batch
+        rank_zero_info(
+            f"global_batch_size={wanted}: {data_parallel} data-parallel ranks x "
+            f"batch_size={self.batch_size} x {self._accumulation} accumulated micro-batches a step"
+        )
 
     def val_dataloader(self) -> DataLoader:
         return self.val_loader(*self._data_parallel_rank())

@@ -151,6 +151,9 @@ class SFTDataModule(ResumableDataModule):
             module's ``tokenizer_spec``, as FinetuneModule has), else ``"byte"``.
         seq_len: longest example in tokens; longer ones are truncated (with a warning).
         batch_size: examples per batch on each device.
+        global_batch_size: samples per optimizer step over all devices; the Trainer's
+            ``accumulate_grad_batches`` becomes ``global_batch_size / (batch_size x data-parallel ranks)``
+            at each launch, so a run resumed on fewer or more devices keeps its batch. None: no change.
         val_fraction: share of ``train_file`` held out when there is no ``val_file``.
         eval_prompts: held-out prompts whose greedy generations are scored by exact match.
         seed: seeds the example order (epoch ``e`` uses the permutation for ``(seed, e)``) and the split.
@@ -186,6 +189,7 @@ class SFTDataModule(ResumableDataModule):
         tokenizer: str | None = None,
         seq_len: int = 256,
         batch_size: int = 16,
+        global_batch_size: int | None = None,
         val_fraction: float = 0.05,
         eval_prompts: int = 64,
         seed: int = 1234,
@@ -198,12 +202,14 @@ class SFTDataModule(ResumableDataModule):
         check_at_least(
             ("seq_len", seq_len, 1), ("batch_size", batch_size, 1),
             ("eval_prompts", eval_prompts, 0), ("num_workers", num_workers, 0),
+            ("global_batch_size", 1 if global_batch_size is None else global_batch_size, 1),
             ("pad_to_multiple_of", 1 if pad_to_multiple_of is None else pad_to_multiple_of, 1),
         )  # fmt: skip
         # No tokenizer given means the model's: recorded by the model alone, since Lightning refuses a
         # `tokenizer` key of model and data that differ (None here, "byte" there).
         self.save_hyperparameters(ignore=["tokenizer"] if tokenizer is None else None)
         self.seq_len, self.batch_size, self.seed, self.num_workers = seq_len, batch_size, seed, num_workers
+        self.global_batch_size = global_batch_size
         self.tokenizer: Tokenizer | None = None
         self.train_set: SFTExamples | None = None
         self.val_set: SFTExamples | None = None

@@ -64,6 +64,9 @@ class TextDataModule(ResumableDataModule):
         data_dir: the dataset folder; ``None`` uses the default corpus (built once, in seconds).
         seq_len: tokens per training example.
         batch_size: examples per batch on each device.
+        global_batch_size: samples per optimizer step over all devices; the Trainer's
+            ``accumulate_grad_batches`` becomes ``global_batch_size / (batch_size x data-parallel ranks)``
+            at each launch, so a run resumed on fewer or more devices keeps its batch. None: no change.
         seed: seeds the window order; epoch ``e`` uses the permutation for ``(seed, e)``.
         num_workers: data-loading processes per device (0 loads in the training process).
         val_batches: validation batches (of ``batch_size`` windows, spread evenly over the val split and the
@@ -95,6 +98,7 @@ class TextDataModule(ResumableDataModule):
         data_dir: str | None = None,
         seq_len: int = 256,
         batch_size: int = 16,
+        global_batch_size: int | None = None,
         seed: int = 1234,
         num_workers: int = 0,
         val_batches: int | None = 20,
@@ -102,7 +106,8 @@ class TextDataModule(ResumableDataModule):
     ) -> None:
         super().__init__()
         check_at_least(
-            ("seq_len", seq_len, 1), ("batch_size", batch_size, 1), ("num_workers", num_workers, 0)
+            ("seq_len", seq_len, 1), ("batch_size", batch_size, 1), ("num_workers", num_workers, 0),
+            ("global_batch_size", 1 if global_batch_size is None else global_batch_size, 1),
         )
         if val_batches is not None and val_batches < 1:
             raise UserInputError(
@@ -111,6 +116,7 @@ class TextDataModule(ResumableDataModule):
         self.mixture = _check_mixture(mixture, data_dir)
         self.save_hyperparameters()
         self.data_dir, self.seq_len, self.batch_size = data_dir, seq_len, batch_size
+        self.global_batch_size = global_batch_size
         self.seed, self.num_workers, self.val_batches = seed, num_workers, val_batches
         self._meta: dict[str, Any] | None = None
         self._metas: dict[str, dict[str, Any]] | None = None  # per mixture source

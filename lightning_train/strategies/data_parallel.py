@@ -40,6 +40,7 @@ from lightning_train._compat import (
     sync_module_states,
 )
 from lightning_train.checkpoint.format import is_sharded_checkpoint
+from lightning_train.checkpoint.storage import as_path
 from lightning_train.errors import UserInputError
 from lightning_train.strategies.memory import (
     GiB,
@@ -86,8 +87,10 @@ class DataParallelStrategy(ModelParallelStrategy):
             them until backward (ZeRO-2 style: less communication, more memory).
         activation_checkpointing: recompute each block's activations in backward (ddp and fsdp).
         cpu_offload: FSDP keeps sharded parameters, gradients and optimizer state in host memory.
-        replicate_size: FSDP over a 2-D mesh (HSDP): ``replicate_size`` groups, usually the number of
-            nodes, each sharding over ``world_size / replicate_size`` ranks. 1 is plain FSDP.
+        replicate_size: FSDP over a 2-D mesh (HSDP): ``replicate_size`` groups, each sharding over
+            ``world_size / replicate_size`` ranks. 1 is plain FSDP. ``"nodes"``: one group per node of
+            this launch, so an elastic group that comes back with fewer or more nodes keeps sharding
+            inside each node.
         reduce_dtype: FSDP gradient reduce-scatter dtype under mixed precision (``"float32"`` default).
         memory_budget_gb: per-device memory ``"auto"`` plans with (default: the device's memory).
         process_group_backend, timeout: passed to ``torch.distributed.init_process_group``.
@@ -125,7 +128,7 @@ class DataParallelStrategy(ModelParallelStrategy):
         reshard_after_forward: bool = True,
         activation_checkpointing: bool = False,
         cpu_offload: bool = False,
-        replicate_size: int = 1,
+        replicate_size: int | Literal["nodes"] = 1,
         reduce_dtype: Literal["float32", "bfloat16"] = "float32",
         memory_budget_gb: float | None = None,
         process_group_backend: str | None = None,
@@ -149,7 +152,7 @@ class DataParallelStrategy(ModelParallelStrategy):
         self.reshard_after_forward = reshard_after_forward
         self.activation_checkpointing = activation_checkpointing
         self.cpu_offload = cpu_offload
-        self.replicate_size = replicate_size
+        self.replicate_option = replicate_size  # read through the replicate_size property
         self.reduce_dtype = getattr(torch, reduce_dtype)
         self.memory_budget_gb = memory_budget_gb
         self._restored_by_strategy = (
@@ -161,6 +164,11 @@ class DataParallelStrategy(ModelParallelStrategy):
         self.whole_model_shapes: dict[str, tuple[int, ...]] | None = None
 
     # ---- process groups and mesh ---------------------------------------------------------------------
+    @property
+    def replicate_size(self) -> int:
+        """HSDP replica groups of this launch: the node count for ``replicate_size="nodes"``."""
+        return self.num_nodes if self.replicate_option == "nodes" else self.replicate_option
+
     def _configure_launcher(self) -> None:
         # fail before any process starts
         check_replicate_size(self.replicate_size, self.num_nodes, self.num_processes)
@@ -309,7 +317,7 @@ class DataParallelStrategy(ModelParallelStrategy):
         if self.sharding == "ddp":  # one ordinary file from rank 0, through the Trainer's CheckpointIO
             Strategy.save_checkpoint(self, checkpoint, filepath, storage_options)
         else:
-            self.save_sharded_checkpoint(checkpoint, Path(filepath))
+            self.save_sharded_checkpoint(checkpoint, as_path(filepath))
 
     def save_sharded_checkpoint(self, checkpoint: dict[str, Any], path: Path) -> None:
         """Write ``checkpoint`` as a sharded folder at ``path``, atomically and verifiably (see
@@ -317,7 +325,7 @@ class DataParallelStrategy(ModelParallelStrategy):
         ``AtomicCheckpointIO(async_save=True)``."""
         from lightning_train.checkpoint.sharded import save_sharded_checkpoint
 
-        path = Path(self.broadcast(str(path)))
+        path = as_path(self.broadcast(str(path)))  # an s3:// URL stays one
         writer = getattr(self.checkpoint_io, "writer", None)
         if writer is not None and self._checkpoint_group is None:
             # the writer thread's collectives get a group of their own, never interleaved with training's
@@ -331,7 +339,7 @@ class DataParallelStrategy(ModelParallelStrategy):
         flush = getattr(self.checkpoint_io, "flush", None)
         if flush is not None:
             flush()  # a checkpoint being written in the background is complete before anything is read
-        path = Path(self.broadcast(str(checkpoint_path)))
+        path = as_path(self.broadcast(str(checkpoint_path)))  # an s3:// URL stays one
         if is_sharded_checkpoint(path):
             metadata = self.load_sharded_checkpoint(path, weights_only)
         elif self.sharding == "fsdp":  # a single file (one process, ddp) into sharded parameters

@@ -32,10 +32,11 @@ def check_comm_hook(preset: str | None) -> None:
 def check_replicate_size(replicate_size: int, num_nodes: int, devices: int) -> None:
     """Refuse an HSDP ``replicate_size`` that does not divide the world size ``num_nodes * devices``."""
     world_size = num_nodes * devices
-    if replicate_size < 1 or world_size % replicate_size:
+    if not isinstance(replicate_size, int) or replicate_size < 1 or world_size % replicate_size:
         raise UserInputError(
-            f"replicate_size={replicate_size} does not divide the world size {world_size} "
-            f"(num_nodes={num_nodes} x devices={devices}); use a divisor, e.g. num_nodes"
+            f"replicate_size={replicate_size!r} does not divide the world size {world_size} "
+            f"(num_nodes={num_nodes} x devices={devices}); use a divisor, or 'nodes' (one replica per node, "
+            "whatever the node count of a launch)"
         )
 
 

@@ -70,6 +70,13 @@ class LabelSmoothedPretrain(PretrainModule):
                                label_smoothing=0.1)
 
 
+def _mesh_groups(mesh: Any) -> dict[str, list[int]]:
+    """The global ranks of this rank's group along each named dimension of ``mesh``."""
+    if mesh is None:
+        return {}
+    return {name: mesh[name].mesh.flatten().tolist() for name in mesh.mesh_dim_names}
+
+
 class StrategyProbe(L.Callback):
     def __init__(self, output_dir: str) -> None:
         self.output_dir = Path(output_dir)
@@ -142,6 +149,9 @@ class StrategyProbe(L.Callback):
             "grad_norms": self.grad_norms,
             "global_step": trainer.global_step,
             "world_size": trainer.world_size,
+            "node_rank": trainer.node_rank,
+            "local_rank": trainer.local_rank,
+            "mesh_groups": _mesh_groups(getattr(strategy, "device_mesh", None)),
             "strategy": type(strategy).__name__,
             "sharding": getattr(strategy, "sharding", None),
             "registered_comm_hook": getattr(strategy, "registered_comm_hook", None),
