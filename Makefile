@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 # One OpenMP thread per process: tests run two workers (and two-rank process groups) on 2 cores.
 TEST_ENV := OMP_NUM_THREADS=1 WANDB_MODE=offline WANDB_SILENT=true
 
-.PHONY: venv browser train test test-quick lint
+.PHONY: venv browser slurm train test test-quick lint
 
 venv: $(VENV)/.installed
 
@@ -30,10 +30,21 @@ browser:
 	    apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium; } || \
 	  echo "make browser: no Chromium and no way to install it here (needs root and apt-get)"
 
-test: venv browser
+# tests/test_slurm.py submits scripts/slurm-requeue.sbatch to a one-node SLURM cluster it starts itself
+# (munged, slurmctld, slurmd): install them from the OS packages when missing and this runs as root (a
+# fresh CI machine); elsewhere those tests skip and say why. The daemons live in /usr/sbin.
+slurm:
+	@PATH="$$PATH:/usr/sbin:/sbin"; \
+	  { command -v slurmctld && command -v slurmd && command -v sbatch && command -v munged; } >/dev/null || \
+	  { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && apt-get update -q && \
+	    DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
+	      slurmctld slurmd slurm-client munge; } || \
+	  echo "make slurm: no SLURM and no way to install it here (needs root and apt-get)"
+
+test: venv browser slurm
 	$(TEST_ENV) $(PY) -m pytest -n 2 --durations=15 -q
 
-test-quick: venv browser
+test-quick: venv browser slurm
 	$(TEST_ENV) $(PY) -m pytest -n 2 -q -m "not slow"
 
 lint: venv
