@@ -147,6 +147,8 @@ def test_a_launch_killed_after_its_checkpoint_counts_as_lost_work(tmp_path: Path
     run = json.loads((folders[1] / GOODPUT_FILE).read_text())
 
     assert run["wall_sec"] == pytest.approx(wall, rel=0.02)  # the sum of the parts of both launches
+    # from the killed launch's last record (just before its death) to the resumed process's start
+    assert resumed[0] - killed[1] - 0.1 < run["between_launches_sec"] < resumed[0] - killed[1] + 2.0
     first, second = run["launches"]
     assert (first["name"], first["state"], second["state"]) == ("version_0", "killed", "finished")
     assert first["steps"] == {"productive": 6, "recovery": 0, "lost": 2} and first["last_step"] == 8

@@ -65,7 +65,8 @@ class GlobalOrderSampler(DistributedSampler):
 
     Epoch ``e`` is the permutation of the dataset seeded by ``(seed, e)``, cut into ``batches_per_epoch``
     global batches of ``batch_size x num_replicas`` samples: all whole global batches, at most
-    ``limit_batches`` (Lightning's ``limit_train_batches``: an int, or a fraction of the epoch). Rank ``r``
+    ``limit_batches`` (Lightning's ``limit_train_batches``: an int, or a fraction of the epoch); with
+    ``accumulate`` batches a step, an epoch ends at a whole number of steps. Rank ``r``
     yields samples ``r, r + num_replicas, ...`` of each global batch.
     ``len()`` is this rank's share, as Lightning counts it: with a fraction, that of every whole batch
     (Lightning applies the fraction to ``len(loader)`` itself).
@@ -100,12 +101,14 @@ class GlobalOrderSampler(DistributedSampler):
         batch_size: int = 1,
         limit_batches: int | float = 1.0,
         description: str | None = None,
+        accumulate: int = 1,
     ) -> None:
         super().__init__(dataset, num_replicas=num_replicas, rank=rank, seed=seed, drop_last=True)
         self.description = description or f"{len(dataset)} samples"  # names the data in errors
         self.batch_size = batch_size
         self.global_batch = batch_size * num_replicas
-        whole = len(dataset) // self.global_batch
+        # whole optimizer steps of `accumulate` batches: a step at the epoch's end is never a partial one
+        whole = len(dataset) // (self.global_batch * accumulate) * accumulate
         self.batches_per_epoch = (
             int(whole * limit_batches) if isinstance(limit_batches, float) else min(whole, limit_batches)
         )
@@ -322,14 +325,15 @@ class ResumableDataModule(L.LightningDataModule):
         limit = self.trainer.limit_train_batches if self.trainer is not None else 1.0
         rank, world_size = self._data_parallel_rank()
         self.keep_global_batch(world_size)
-        loader = self.train_loader(rank, world_size, limit_batches=limit)
+        loader = self.train_loader(rank, world_size, limit_batches=limit, accumulate=self._accumulation or 1)
         loader.sampler.on_global_batch_change = self._recount_epoch_batches
         return loader
 
     def keep_global_batch(self, data_parallel: int) -> None:
         """With ``global_batch_size``: set the Trainer's ``accumulate_grad_batches`` so that each optimizer
         step takes that many samples, whatever the data-parallel size of this launch (an elastic group
-        that comes back with fewer nodes accumulates more micro-batches of ``batch_size`` per rank)."""
+        that comes back with fewer nodes accumulates more micro-batches of ``batch_size`` per rank), and
+        end each epoch at a whole step (so the last step of an epoch is the same at any size)."""
         if self.global_batch_size is None or self.trainer is None:
             return
         per_micro_batch = self.batch_size * data_parallel
@@ -357,7 +361,7 @@ class ResumableDataModule(L.LightningDataModule):
 
     # Loaders for an explicit rank (what the hooks above use)
     def train_loader(
-        self, rank: int = 0, world_size: int = 1, limit_batches: int | float = 1.0
+        self, rank: int = 0, world_size: int = 1, limit_batches: int | float = 1.0, accumulate: int = 1
     ) -> ResumableLoader:
         self.setup()
         assert self.train_set is not None
@@ -369,6 +373,7 @@ class ResumableDataModule(L.LightningDataModule):
             self.batch_size,
             limit_batches,
             self.describe_train_set(),
+            accumulate,
         )
         if len(self.train_set) < sampler.global_batch:
             raise UserInputError(

@@ -18,6 +18,7 @@ from is *lost* work, recomputed by the resumed launch.
 
 from __future__ import annotations
 
+import itertools
 import json
 import mmap
 import os
@@ -50,11 +51,18 @@ def launch_record(name: str, started: float, state: str, first_step: int, last_s
 
 
 def total(launches: list[Record]) -> Record:
-    """The run: the launches' seconds and steps summed, and the share of wall time in productive steps."""
+    """The run: the launches' seconds and steps summed, the share of wall time in productive steps, and
+    ``between_launches_sec``: the time from each launch's last record to the next one's start (a restart
+    waiting for its rendezvous, a requeued job waiting for its nodes), which no process of the run saw and
+    so no part holds."""
     seconds = {part: sum(launch["seconds"][part] for launch in launches) for part in PARTS}
     wall = sum(seconds.values())
+    ordered = sorted(launches, key=lambda launch: launch["started"])
+    between = sum(max(later["started"] - (earlier["started"] + earlier["wall_sec"]), 0.0)
+                  for earlier, later in itertools.pairwise(ordered))
     return {
         "productive_fraction": seconds["productive"] / wall if wall > 0 else 0.0, "wall_sec": wall,
+        "between_launches_sec": between,
         "seconds": seconds, "steps": {kind: sum(launch["steps"][kind] for launch in launches)
                                       for kind in STEP_KINDS},
     }
