@@ -25,7 +25,7 @@ pytestmark = pytest.mark.slow
 LOST_AT, HELD_AT, MAX_STEPS = 7, 9, 12
 
 
-def write_config(folder: Path, data_dir: Path) -> Path:
+def write_config(folder: Path, data_dir: Path, callbacks: tuple[dict, ...] = ()) -> Path:
     faults = "tests.helpers.node_faults"
     config = {
         "seed_everything": 1234,
@@ -41,7 +41,7 @@ def write_config(folder: Path, data_dir: Path) -> Path:
                     "save_top_k": -1}},
                 {"class_path": f"{faults}.StepLoss", "init_args": {"path": str(folder / "losses.txt")}},
                 {"class_path": f"{faults}.LoseNode", "init_args": {"at_step": LOST_AT}},
-                {"class_path": f"{faults}.HoldForNode", "init_args": {"world_size": 2, "at_step": HELD_AT}},
+                *callbacks,
             ],
         },
         "model": {"class_path": "lightning_train.PretrainModule", "init_args": {
@@ -64,7 +64,10 @@ def test_a_lost_node_and_a_regained_one_keep_the_run_exact(tmp_path: Path, data_
     assert sorted(expected) == list(range(1, MAX_STEPS + 1))
 
     folder = tmp_path / "elastic"
-    config = write_config(folder, data_dir)
+    # only the one-node launch reaches step 9: the first is lost before it, the last resumes after it
+    held = {"class_path": "tests.helpers.preemption_wait.WaitForPreemption",
+            "init_args": {"step": HELD_AT, "marker_dir": str(folder / "markers")}}
+    config = write_config(folder, data_dir, callbacks=(held,))
     port, logs = free_port(), [folder / "node_a.log", folder / "node_b.log", folder / "node_b_again.log"]
     args = ["--config", str(config), "--trainer.devices=2"]
     elastic = {"nnodes": "1:2", "max_restarts": 3}
@@ -75,8 +78,8 @@ def test_a_lost_node_and_a_regained_one_keep_the_run_exact(tmp_path: Path, data_
     try:
         wait_for(lambda: lost.poll() is not None, "the lost node's agent to be killed", agents)
         assert lost.returncode == -9, logs[1].read_text()[-3000:]
-        held = folder / "losses.txt"
-        wait_for(lambda: any(step == HELD_AT and world == 2 for step, _, world in read_step_losses(held)),
+        losses = folder / "losses.txt"
+        wait_for(lambda: any(step == HELD_AT and world == 2 for step, _, world in read_step_losses(losses)),
                  "the one-node group to reach the step where it waits", agents)
         back = start_node(logs[2], port, "elastic", host=False, fit_args=args, **elastic)
         agents.append(back)

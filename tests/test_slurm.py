@@ -6,7 +6,7 @@ run, bitwise.
 
 The job is the tiny deterministic 2-rank run of test_fault_tolerance (12 steps, checkpoints every 3),
 one node, 2 tasks started by the script's srun; Lightning's SLURMEnvironment gives the ranks. The first
-launch waits after step 5 until SLURM's signal comes (``tests.helpers.slurm_faults``), so the
+launch waits after step 5 until SLURM's signal comes (``tests.helpers.preemption_wait``), so the
 preemption lands at a known step however long the start-up took.
 """
 
@@ -54,7 +54,7 @@ class Job:
     """One submission of the script: its run folder, log and SLURM job id."""
 
     def __init__(self, cluster: SlurmCluster, folder: Path, data_dir: Path) -> None:
-        wait = {"class_path": "tests.helpers.slurm_faults.WaitForPreemption",
+        wait = {"class_path": "tests.helpers.preemption_wait.WaitForPreemption",
                 "init_args": {"step": PREEMPT_AFTER, "marker_dir": str(folder / "markers")}}
         config = write_config(folder, data_dir, devices=2, callbacks=(wait,))
         self.cluster, self.folder, self.log = cluster, folder, folder / "job.out"

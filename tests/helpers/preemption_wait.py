@@ -1,5 +1,6 @@
-"""``WaitForPreemption``: hold a launch after step K until SLURM's signal arrives, so that the tests of
-``tests/test_slurm.py`` preempt a real job at a known step, however long the start-up took.
+"""``WaitForPreemption``: hold a launch after step K until a preemption signal arrives (SLURM's, or
+torchrun's SIGTERM when a node joins), so that tests/test_slurm.py and tests/test_node_loss.py preempt a
+real job at a known step, however long the start-up took.
 
 After step ``step`` each rank writes ``waiting-rank<r>`` into ``marker_dir`` (the test's cue to requeue
 the job or shorten its time limit) and sleeps until ``PreemptionCheckpoint`` has seen a signal, or until
