@@ -3,6 +3,7 @@ the same losses and gradient norms as one process, and bad layouts refused with 
 
 import copy
 import csv
+import json
 import os
 import subprocess
 import sys
@@ -146,28 +147,52 @@ def test_a_loss_vocab_parallel_cannot_take_is_one_line_naming_loss_parallel_fals
     assert done.returncode == 0, done.stderr[-3000:]
 
 
-def test_finetune_validates_under_tensor_parallelism_as_one_process(tmp_path):
-    """FinetuneModule under tp=2: the vocab-parallel val/loss and the token accuracy (its argmax gathers
-    the logits) equal one process's; exact match, which generates, is skipped with a warning."""
+def test_finetune_validates_and_generates_under_tensor_and_pipeline_parallelism_as_one_process(tmp_path):
+    """FinetuneModule under tp=2 and pp=2: the vocab-parallel val/loss, the token accuracy (its argmax
+    gathers the logits) and val/exact_match (greedy generation on the sharded model) equal one process's;
+    the greedy and the seeded sampled completions of the held-out prompts, generated where the model
+    trains (GenerationProbe: ParallelStrategy.generator()), are one process's token for token, and
+    exact_match under the layout scores one process's greedy completions as the responses they are (the
+    logged val/exact_match of these random weights is 0 everywhere)."""
     torch.manual_seed(0)
-    start = save_safetensors(GPT(GPTConfig(vocab_size=258, block_size=64, n_layer=1, n_head=2, n_embd=32)),
-                             tmp_path / "start")
+    config = GPTConfig(vocab_size=258, block_size=64, n_layer=2, n_head=2, n_embd=32, init_std=0.4)
+    start = save_safetensors(GPT(config), tmp_path / "start")  # large weights: varied generations
     args = [
         "fit", "--config", str(REPO / "configs" / "finetune-tiny.yaml"), "--model.init_from", str(start),
         "--trainer.max_steps=2", "--trainer.val_check_interval=2", "--trainer.limit_val_batches=2",
         "--data.eval_prompts=4", "--data.batch_size=8",
+        # one sequence length: torch's pipeline stages keep the shapes of their first batch
+        "--data.pad_to_multiple_of=64", "--trainer.callbacks+=generation_probe.GenerationProbe",
     ]
-    metrics = {}
-    for name, layout in {"single": ["--trainer.devices=1"], "tp": ["--trainer.devices=2", *TP]}.items():
-        done = run_cli(*args, *layout, f"--trainer.default_root_dir={tmp_path / name}", cwd=tmp_path, env=ENV,
-                       timeout=240)
+    layouts = {
+        "single": ["--trainer.devices=1"],
+        "tp": ["--trainer.devices=2", *TP],
+        "pp": ["--trainer.devices=2", TP[0], "--trainer.strategy.pipeline_parallel=2"],
+    }
+    metrics, completions = {}, {}
+    reference_file = tmp_path / "single" / "completions-rank0.json"
+    for name, layout in layouts.items():
+        # FinetuneModule.exact_match under the layout, of one process's greedy completions as responses
+        check = [] if name == "single" else [f"--trainer.callbacks.reference={reference_file}"]
+        done = run_cli(*args, *layout, *check, f"--trainer.default_root_dir={tmp_path / name}", cwd=tmp_path,
+                       env=ENV, timeout=300)
         assert done.returncode == 0, done.stderr[-3000:]
         with open(tmp_path / name / "version_0" / "metrics.csv") as f:
             metrics[name] = [row for row in csv.DictReader(f) if row.get("val/loss")][-1]
-        skipped = "val/exact_match is not computed under tensor or pipeline parallelism" in done.stderr
-        assert skipped == (name == "tp") and bool(metrics[name].get("val/exact_match")) == (name == "single")
-    for key in ("val/loss", "val/token_accuracy"):
-        assert float(metrics["tp"][key]) == pytest.approx(float(metrics["single"][key]), rel=1e-5), key
+        files = sorted((tmp_path / name).glob("completions-rank*.json"))
+        completions[name] = [json.loads(path.read_text()) for path in files]
+        assert len(completions[name]) == (1 if name == "single" else 2)
+    [reference] = completions.pop("single")
+    assert not reference["sharded"] and reference["greedy"] != reference["sampled"]
+    assert len({token for row in reference["greedy"] for token in row}) > 4  # not one token repeated
+    for name, ranks in completions.items():
+        for rank in ranks:
+            assert rank["sharded"] and rank["greedy"] == reference["greedy"], name
+            assert rank["sampled"] == reference["sampled"], name
+            assert rank["exact_match"] == 0.5, name  # every second response was cut short
+        for key in ("val/loss", "val/token_accuracy", "val/exact_match"):
+            expected = float(metrics["single"][key])
+            assert float(metrics[name][key]) == pytest.approx(expected, rel=1e-5), (name, key)
 
 
 @pytest.mark.parametrize(

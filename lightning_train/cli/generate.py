@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+from typing import Any
+
 from lightning_train.cli._parsers import parse_tool_args
 from lightning_train.errors import UserInputError
 
@@ -17,6 +20,8 @@ def generate(
     use_cache: bool = True,
     seed: int = 1234,
     allow_pickle: bool = True,
+    tensor_parallel: int = 1,
+    pipeline_parallel: int = 1,
 ) -> list[str]:
     """Print each prompt followed by the model's completion (up to its end-of-text token).
 
@@ -31,6 +36,9 @@ def generate(
         use_cache: decode with the KV cache (faster; same tokens).
         seed: seeds the sampling.
         allow_pickle: read pickle-format checkpoints (with torch.load(weights_only=True)).
+        tensor_parallel: split each layer over this many ranks, as ParallelStrategy does (under torchrun).
+        pipeline_parallel: split the blocks into this many stages, one a rank (under torchrun); with
+            tensor_parallel, their product must divide the ranks (the rest are replicas).
 
     Returns:
         Each prompt followed by its completion, in the order of the prompts.
@@ -39,6 +47,10 @@ def generate(
         raise UserInputError(f"--max_new_tokens {max_new_tokens} must be at least 1, e.g. 64")
     if temperature < 0:
         raise UserInputError(f"--temperature {temperature} must be >= 0 (0 is greedy), e.g. 0.8")
+    if min(tensor_parallel, pipeline_parallel) < 1:
+        raise UserInputError(
+            f"--tensor_parallel {tensor_parallel} --pipeline_parallel {pipeline_parallel}: use ints >= 1"
+        )
     if top_k is not None and top_k < 1:
         raise UserInputError(f"--top_k {top_k} must be at least 1, or left out to sample from every token")
     # here, not at the top: `generate --help` answers without importing torch
@@ -56,7 +68,10 @@ def generate(
         raise UserInputError(f"{checkpoint!r} names no tokenizer; pass --tokenizer byte or a tokenizer.json")
     tok = load_tokenizer(spec)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = pretrained.build().to(device)
+    if tensor_parallel * pipeline_parallel > 1:
+        model = _sharded(pretrained.build(), tensor_parallel, pipeline_parallel)
+    else:
+        model = pretrained.build().to(device)
     prompts = prompt if isinstance(prompt, list) else [prompt]
     if chat:
         prompts = [chat_prompt(p) for p in prompts]
@@ -67,5 +82,27 @@ def generate(
     return [p + tok.decode(c) for p, c in zip(prompts, completions, strict=True)]
 
 
+def _sharded(model: Any, tensor_parallel: int, pipeline_parallel: int) -> Any:
+    """The generator of ``model`` laid out over the ranks torchrun started (every rank read it whole)."""
+    import torch
+    import torch.distributed as dist
+
+    from lightning_train.strategies.generation import shard_for_generation
+
+    if "WORLD_SIZE" not in os.environ:
+        ranks = tensor_parallel * pipeline_parallel
+        raise UserInputError(
+            f"--tensor_parallel {tensor_parallel} --pipeline_parallel {pipeline_parallel} runs on {ranks} "
+            f"ranks; start it with torchrun --nproc_per_node={ranks} -m lightning_train generate ..."
+        )
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+    return shard_for_generation(model.eval(), tensor_parallel, pipeline_parallel, device=device)
+
+
 def main(args: list[str]) -> None:
-    print("\n\n".join(generate(**parse_tool_args(generate, args, "generate"))))
+    texts = generate(**parse_tool_args(generate, args, "generate"))
+    if int(os.environ.get("RANK", 0)) == 0:  # every rank of a sharded run has them; one prints
+        print("\n\n".join(texts))

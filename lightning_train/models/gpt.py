@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lightning_train.models.generate import decode
+
 VOCAB_MULTIPLE = 64  # a vocabulary taken from the data is padded to this: faster matmuls (nanoGPT, LitGPT)
 
 
@@ -153,6 +155,11 @@ class KVCache:
         self.keys[layer], self.values[layer] = k, v
         return k, v
 
+    def crop(self, length: int) -> None:
+        """Forget the positions from ``length`` on (a forward that computed more positions than it keeps)."""
+        self.keys = [None if k is None else k[:, :, :length] for k in self.keys]
+        self.values = [None if v is None else v[:, :, :length] for v in self.values]
+
     @property
     def length(self) -> int:
         return self.past_length(0)
@@ -182,17 +189,21 @@ class Attention(nn.Module):
         q = q.view(B, T, self.n_head, self.head_dim).transpose(1, 2)
         k = k.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
         v = v.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
+        past = cache.past_length(self.layer) if cache is not None else 0
         if rope is not None:  # looked up here, where x holds whole sequences (sequence parallelism too)
-            tables = rope(cache.past_length(self.layer) if cache is not None else 0, T)
+            tables = rope(past, T)
             q, k = apply_rotary(q, *tables), apply_rotary(k, *tables)
         if cache is not None:
             k, v = cache.update(self.layer, k, v)
-        # One new token attends to every cached position; a prompt (T > 1) needs the causal mask.
-        # A prompt fed onto a non-empty cache is not supported (generate() never does that).
-        is_causal = T > 1
+        # One new token attends to every cached position; a prompt (T > 1) needs the causal mask, and
+        # T > 1 tokens after cached ones (tensor-parallel decoding) the causal mask shifted by the past.
+        mask = None
+        if past and T > 1:
+            mask = torch.ones(T, past + T, dtype=torch.bool, device=x.device).tril(past)
         dropout = self.config.dropout if self.training else 0.0
         y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=is_causal, dropout_p=dropout, enable_gqa=self.n_kv_head != self.n_head
+            q, k, v, attn_mask=mask, is_causal=T > 1 and mask is None, dropout_p=dropout,
+            enable_gqa=self.n_kv_head != self.n_head,
         )
         return self.proj(y.transpose(1, 2).reshape(B, T, -1))  # -1: the local heads under TP
 
@@ -363,27 +374,15 @@ class GPT(nn.Module):
     ) -> torch.Tensor:
         """Continue ``idx`` (B, T) by up to ``max_new_tokens``. temperature 0 is greedy; with
         ``eos_id``, a row that produced it is padded with eos_id and generation ends when all did.
-        With ``tokenizer_vocab_size``, only ids below it are generated (not a padded vocabulary's rest)."""
+        With ``tokenizer_vocab_size``, only ids below it are generated (not a padded vocabulary's rest).
+        The loop is ``models.generate.decode``, shared with generation on a sharded model."""
         cache = KVCache(self.config.n_layer) if use_cache else None
-        finished = torch.zeros(idx.shape[0], dtype=torch.bool, device=idx.device)
-        step_input = idx
-        for _ in range(max_new_tokens):
-            if idx.shape[1] >= self.config.block_size:
-                break
-            logits = self(step_input if use_cache else idx, cache)[:, -1, :tokenizer_vocab_size].float()
-            if temperature == 0:
-                next_id = logits.argmax(dim=-1, keepdim=True)
-            else:
-                logits = logits / temperature
-                if top_k is not None:
-                    kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
-                    logits = logits.masked_fill(logits < kth, float("-inf"))
-                next_id = torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)
-            if eos_id is not None:
-                next_id = next_id.masked_fill(finished.unsqueeze(1), eos_id)
-                finished |= next_id.squeeze(1) == eos_id
-            idx = torch.cat([idx, next_id], dim=1)
-            step_input = next_id
-            if eos_id is not None and bool(finished.all()):
-                break
-        return idx
+
+        def last_logits(idx: torch.Tensor, cache: KVCache | None) -> torch.Tensor:
+            # with a cache, only the tokens it does not hold yet
+            return self(idx[:, cache.length :] if cache is not None else idx, cache)[:, -1]
+
+        return decode(
+            last_logits, idx, max_new_tokens, self.config.block_size, cache, temperature, top_k, eos_id,
+            tokenizer_vocab_size,
+        )

@@ -21,11 +21,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torchmetrics import MeanMetric
 
+from lightning_train._compat import attached_trainer
 from lightning_train.checkpoint import open_pretrained, save_safetensors
 from lightning_train.errors import UserInputError
 from lightning_train.models.generate import generate_batched
@@ -227,12 +227,7 @@ class FinetuneModule(PretrainModule):
         self.log("val/token_accuracy", self.val_token_accuracy)  # a Metric: synced by torchmetrics
         datamodule = getattr(self.trainer, "datamodule", None)
         examples = getattr(datamodule, "eval_examples", None)
-        strategy = self.trainer.strategy
-        model_parallel = getattr(strategy, "tensor_parallel", 1) * getattr(strategy, "pipeline_parallel", 1)
-        if examples and model_parallel > 1:
-            rank_zero_warn("val/exact_match is not computed under tensor or pipeline parallelism (generation "
-                           "needs the whole model on each rank)", category=UserWarning)
-        elif examples and not self.trainer.sanity_checking:
+        if examples and not self.trainer.sanity_checking:
             # Every rank scores every held-out prompt (sharded models need all ranks in each forward), so
             # the mean over ranks that sync_dist takes is the score itself.
             score = self.exact_match(examples, datamodule.eos_id)
@@ -243,12 +238,16 @@ class FinetuneModule(PretrainModule):
         self, examples: list[tuple[list[int], list[int]]], eos_id: int, batch_size: int = 32
     ) -> float:
         """Fraction of ``(prompt_ids, response_ids)`` whose greedy continuation is exactly the response
-        followed by ``eos_id``."""
+        followed by ``eos_id``. Under tensor or pipeline parallelism the strategy's generator runs it on the
+        model as laid out (every rank calls this with the same examples)."""
         was_training = self.model.training
         self.model.eval()
         limit = min(self.hparams.eval_max_new_tokens, max(len(r) for _, r in examples) + 1)
+        strategy = self.trainer.strategy if attached_trainer(self) else None
+        sharded = strategy.generator() if hasattr(strategy, "generator") else None  # ParallelStrategy's
         completions = generate_batched(
-            self.model, [p for p, _ in examples], limit, eos_id, batch_size=batch_size, device=self.device
+            sharded or self.model, [p for p, _ in examples], limit, eos_id, batch_size=batch_size,
+            device=self.device,
         )
         self.model.train(was_training)
         responses = [response for _, response in examples]

@@ -28,6 +28,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from lightning_train._compat import is_compiled
 from lightning_train.errors import UserInputError
 from lightning_train.strategies.data_parallel import DataParallelStrategy
+from lightning_train.strategies.generation import ShardedGenerator
 from lightning_train.strategies.parallelize import find_transformer
 from lightning_train.strategies.pipeline import (
     Pipeline,
@@ -70,7 +71,7 @@ def check_layout(
         raise UserInputError(
             f"replicate_size={replicate_size} does not divide the data-parallel size {data_parallel} "
             f"(world size {world_size} / tensor_parallel={tensor_parallel} / pipeline_parallel="
-            f"{pipeline_parallel}); use a divisor, e.g. num_nodes"
+            f"{pipeline_parallel}); use a divisor, or 'nodes' (one replica per node)"
         )
 
 
@@ -147,6 +148,7 @@ class ParallelStrategy(DataParallelStrategy):
         self.pipeline: Pipeline | None = None  # built in setup when pipeline_parallel > 1
         self._stage_ids: list[int] = []  # this rank's pipeline stages
         self._stage_views: list[torch.nn.Module] = []  # the model each of them runs
+        self._generator: ShardedGenerator | None = None  # built on first use (generator())
 
     # ---- the mesh -------------------------------------------------------------------------------------
     def _configure_launcher(self) -> None:
@@ -323,6 +325,20 @@ class ParallelStrategy(DataParallelStrategy):
         pairs = [[int(a), int(b)] for a, b in zip(ranks[0].flatten(), ranks[last].flatten(), strict=True)]
         group, _ = dist.new_subgroups_by_enumeration(pairs, backend=dist.get_backend())
         return group  # None on the ranks of the middle stages
+
+    def generator(self) -> ShardedGenerator | None:
+        """What generates on the model as laid out here (``generation.ShardedGenerator``: call its
+        ``generate`` on every rank with the same prompts); None without tensor or pipeline parallelism,
+        where the model generates by itself."""
+        if self.tensor_parallel * self.pipeline_parallel == 1:
+            return None
+        if self._generator is None:
+            stages = dict(zip(self._stage_ids, self._stage_views, strict=True))
+            self._generator = ShardedGenerator(
+                stages or {0: find_transformer(self.lightning_module)}, self.device_mesh,
+                self.pipeline_schedule, self.virtual_stages,
+            )
+        return self._generator
 
     # ---- the step -----------------------------------------------------------------------------------
     def _loss_context(self) -> AbstractContextManager:
