@@ -148,7 +148,8 @@ def test_a_loss_vocab_parallel_cannot_take_is_one_line_naming_loss_parallel_fals
 
 
 def test_finetune_validates_and_generates_under_tensor_and_pipeline_parallelism_as_one_process(tmp_path):
-    """FinetuneModule under tp=2 and pp=2: the vocab-parallel val/loss, the token accuracy (its argmax
+    """FinetuneModule under tp=2 and pp=2 (its batches padded to seq_len, the one shape the stages take):
+    the vocab-parallel val/loss, the token accuracy (its argmax
     gathers the logits) and val/exact_match (greedy generation on the sharded model) equal one process's;
     the greedy and the seeded sampled completions of the held-out prompts, generated where the model
     trains (GenerationProbe: ParallelStrategy.generator()), are one process's token for token, and
@@ -161,8 +162,7 @@ def test_finetune_validates_and_generates_under_tensor_and_pipeline_parallelism_
         "fit", "--config", str(REPO / "configs" / "finetune-tiny.yaml"), "--model.init_from", str(start),
         "--trainer.max_steps=2", "--trainer.val_check_interval=2", "--trainer.limit_val_batches=2",
         "--data.eval_prompts=4", "--data.batch_size=8",
-        # one sequence length: torch's pipeline stages keep the shapes of their first batch
-        "--data.pad_to_multiple_of=64", "--trainer.callbacks+=generation_probe.GenerationProbe",
+        "--trainer.callbacks+=generation_probe.GenerationProbe",
     ]
     layouts = {
         "single": ["--trainer.devices=1"],

@@ -158,7 +158,8 @@ class SFTDataModule(ResumableDataModule):
         eval_prompts: held-out prompts whose greedy generations are scored by exact match.
         seed: seeds the example order (epoch ``e`` uses the permutation for ``(seed, e)``) and the split.
         num_workers: data-loading processes per device.
-        pad_to_multiple_of: batches are padded to a multiple of this many tokens; None: the Trainer's
+        pad_to_multiple_of: batches are padded to a multiple of this many tokens (under pipeline
+            parallelism every batch is padded to ``seq_len``: the stages take one shape); None: the Trainer's
             ``tensor_parallel`` size (sequence parallelism splits every sequence into that many parts),
             else 1. ``seq_len`` must divide by it.
 
@@ -268,8 +269,10 @@ class SFTDataModule(ResumableDataModule):
 
     def _pad_multiple(self) -> int:
         multiple = self.hparams.get("pad_to_multiple_of")
+        strategy = self.trainer.strategy if self.trainer is not None else None
+        if getattr(strategy, "pipeline_parallel", 1) > 1:
+            return self.seq_len  # torch's pipeline stages keep the shapes of their first batch: one length
         if multiple is None:
-            strategy = self.trainer.strategy if self.trainer is not None else None
             multiple = getattr(strategy, "tensor_parallel", 1)
         if self.seq_len % multiple:
             raise UserInputError(
