@@ -285,14 +285,6 @@ def save_model_checkpoint_now(callback: ModelCheckpoint, trainer: L.Trainer) -> 
     callback._save_last_checkpoint(trainer, candidates)
 
 
-def is_local_path(path: PathLike) -> bool:
-    """Whether ``path`` is on the local file system, not a remote URL such as ``s3://`` (``lightning.fabric.
-    utilities.cloud_io._is_local_file_protocol``, Lightning 2.5-2.6; no public one)."""
-    from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
-
-    return _is_local_file_protocol(path)
-
-
 def add_prefix(metrics: Mapping[str, Any], prefix: str, separator: str) -> Mapping[str, Any]:
     """``metrics`` with ``prefix + separator`` before each name, as Lightning's loggers do
     (``lightning.fabric.utilities.logger._add_prefix``, Lightning 2.5-2.6)."""

@@ -420,11 +420,6 @@ def test_torch_layout_global():
     assert reducer(*args) is torch.sparse_coo
 
 
-def test_is_local_path(tmp_path):
-    assert _compat.is_local_path(tmp_path / "last.ckpt") and _compat.is_local_path(str(tmp_path))
-    assert not _compat.is_local_path("s3://bucket/last.ckpt")
-
-
 def test_add_prefix():
     assert _compat.add_prefix({"loss": 1.0}, "train", "-") == {"train-loss": 1.0}
     assert _compat.add_prefix({"loss": 1.0}, "", "-") == {"loss": 1.0}

@@ -108,7 +108,7 @@ def test_devices_other_than_torchruns_processes_is_one_error_line_on_each_node(t
     ], expect=1)  # torchrun's own code for failed workers
     for log in logs:
         assert [line for line in log.splitlines() if line.startswith("error:")] == [
-            "error: --trainer.devices=1 does not match torchrun's --nproc_per_node=2 (the processes it started "
-            "on this node, one device each); pass --trainer.devices=2 (or auto), or start torchrun with "
-            "--nproc_per_node=1"], log[-3000:]
+            "error: --trainer.devices=1 does not match torchrun's --nproc_per_node=2 (the processes it "
+            "started on this node, one device each); pass --trainer.devices=2 (or auto), or start torchrun "
+            "with --nproc_per_node=1"], log[-3000:]
     assert not (tmp_path / "run").exists()

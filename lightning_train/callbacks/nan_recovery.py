@@ -37,6 +37,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
 from torch.optim import Optimizer
 
+import lightning_train.storage as storage
 from lightning_train._compat import found_inf_per_device, handles_amp_scaling
 from lightning_train.callbacks._common import data_parallel_size, is_logging_step, log_metrics
 from lightning_train.callbacks._data_skip import skip_train_batches
@@ -364,11 +365,13 @@ class NaNRecovery(Callback):
         """Steps rerun so far: bad ones, and healthy ones under ``rerun_every``."""
         return self._step_rerun.runs if self._step_rerun is not None else 0
 
-    def _save_with_forensics(self, trainer: L.Trainer, name: str, reason: str) -> tuple[Path, Path]:
+    def _save_with_forensics(self, trainer: L.Trainer, name: str, reason: str) -> tuple[Path | str, Path]:
         """The current state as checkpoint ``name`` in the run's checkpoint folder (every rank: collective
         when sharded) and the forensic report, written by rank zero."""
         dirpath = getattr(trainer.checkpoint_callback, "dirpath", None)
-        checkpoint = Path(dirpath or Path(trainer.default_root_dir, "checkpoints")) / name
+        folder = dirpath or Path(trainer.default_root_dir, "checkpoints")
+        # an s3:// folder stays a URL (Path would make it a local s3:/ folder)
+        checkpoint = storage.join(str(folder), name) if storage.is_remote(folder) else Path(folder) / name
         forensics = Path(trainer.log_dir or trainer.default_root_dir) / FORENSICS_FILE
         trainer.save_checkpoint(checkpoint, weights_only=False)
         if trainer.is_global_zero:
@@ -401,7 +404,7 @@ class NaNRecovery(Callback):
             metrics["recovery/reruns"] = self.reruns
         log_metrics(trainer, metrics)
 
-    def _forensics(self, trainer: L.Trainer, reason: str, checkpoint: Path) -> dict[str, Any]:
+    def _forensics(self, trainer: L.Trainer, reason: str, checkpoint: Path | str) -> dict[str, Any]:
         return {
             "step": trainer.global_step, "reason": reason, "checkpoint": str(checkpoint),
             "snapshot_step": self.snapshot.step, "skipped_steps": self.skipped_steps, "spikes": self.spikes,

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Checkpoint, ModelCheckpoint
 
+import lightning_train.storage as storage
 from lightning_train.callbacks._console import print_line
 from lightning_train.errors import Preempted, UserInputError
 
@@ -162,11 +163,13 @@ class PreemptionCheckpoint(Checkpoint):
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return int(flag.item())
 
-    def _checkpoint_path(self, trainer: L.Trainer, name: str) -> Path:
+    def _checkpoint_path(self, trainer: L.Trainer, name: str) -> Path | str:
         if self.dirpath is not None:
             return Path(self.dirpath) / name
         for callback in trainer.checkpoint_callbacks:
             if isinstance(callback, ModelCheckpoint) and callback.dirpath:
+                if storage.is_remote(callback.dirpath):  # s3://: a URL, which Path would mangle
+                    return storage.join(callback.dirpath, name)
                 return Path(callback.dirpath) / name
         return Path(trainer.default_root_dir) / "checkpoints" / name
 

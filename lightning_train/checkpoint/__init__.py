@@ -4,6 +4,7 @@
 - ``io``: ``AtomicCheckpointIO``, the Trainer plugin that writes and loads checkpoint files that way;
 - ``sharded``: ``torch.distributed.checkpoint`` folders, saved and loaded at any world size;
 - ``resume``: ``--resume auto|none|PATH``;
+- ``remote``: the same protocol on object storage (``s3://``: committed by the manifest, verified downloads);
 - ``pretrained``: ``open_pretrained``, weights from any source (our checkpoints, exports, HF folders);
 - ``export`` (file writing) and ``consolidate`` (``export``/``consolidate``): a Hugging Face folder, or
   ``model.safetensors`` + ``config.json``.

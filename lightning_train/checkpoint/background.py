@@ -78,7 +78,8 @@ class BackgroundWriter:
     def ready_for(self, step: int | None) -> None:
         """Wait until no write of another step is in flight (a step's own checkpoints, such as
         ``step=N.ckpt`` and ``last.ckpt``, may queue together); raise a failed write's error."""
-        earlier = [future for pending_step, future in self._pending if pending_step != step]
+        # removals (after_writes, step None) queue behind the writes and hold nothing up
+        earlier = [future for pending_step, future in self._pending if pending_step not in (step, None)]
         if any(not future.done() for future in earlier):
             started = time.perf_counter()
             self._wait_for(earlier)

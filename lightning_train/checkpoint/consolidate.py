@@ -10,6 +10,8 @@ import re
 from pathlib import Path
 from typing import Literal
 
+import lightning_train.checkpoint.remote as remote
+import lightning_train.storage as storage
 from lightning_train.checkpoint.export import (
     CONFIG_FILE,
     EXPORT_FILES,
@@ -57,7 +59,12 @@ def export(
         base_model: (``peft`` only) the base model's folder or hub id, recorded as the adapter's
             ``base_model_name_or_path`` (what ``AutoPeftModelForCausalLM`` loads); default: none.
     """
-    source, target = Path(checkpoint), Path(output)
+    if storage.is_remote(checkpoint):  # s3://: downloaded once and verified (open_pretrained reuses it)
+        storage.check_access(checkpoint)
+        source = remote.local_checkpoint(checkpoint)
+    else:
+        source = Path(checkpoint)
+    target = Path(output)
     if not source.exists():
         raise UserInputError(f"checkpoint {source} does not exist; pass a .ckpt file or a checkpoint folder")
     if target.resolve() == source.resolve():

@@ -35,19 +35,22 @@ from typing import IO, Any
 import torch
 
 from lightning_train._compat import METADATA_FILENAME
-from lightning_train.errors import CorruptCheckpointError, IncompatibleCheckpointError, UserInputError
+from lightning_train.checkpoint.manifest import (  # noqa: F401  (the protocol's names, importable from here)
+    DCP_METADATA,
+    FOLDER_MANIFEST,
+    FORMAT_KEY,
+    FORMAT_VERSION,
+    LAUNCH_IDS,
+    MANIFEST_SUFFIX,
+    PARTIAL_SUFFIX,
+    check_format_version,
+    launch_ids,
+)
+from lightning_train.errors import CorruptCheckpointError, UserInputError
 from lightning_train.models.gpt import GPTConfig
 from lightning_train.models.lora import LoRAConfig
+from lightning_train.storage import is_file, is_remote, join
 
-FORMAT_VERSION = 1  # bump when the checkpoint layout changes incompatibly
-FORMAT_KEY = "lightning_train"  # checkpoint[FORMAT_KEY] = {"format_version": FORMAT_VERSION}
-MANIFEST_SUFFIX = ".manifest.json"
-FOLDER_MANIFEST = "manifest.json"
-PARTIAL_SUFFIX = ".partial"
-DCP_METADATA = ".metadata"  # torch.distributed.checkpoint's index of a sharded save
-# The launcher job that wrote a checkpoint, recorded in its manifest as {key: value} of those set: a
-# restarted torchrun group or requeued SLURM job resumes implicitly only from its own (cli/elastic.py).
-LAUNCH_IDS = {"torchelastic_run_id": "TORCHELASTIC_RUN_ID", "slurm_job_id": "SLURM_JOB_ID"}
 _CHUNK = 1 << 22
 
 
@@ -90,13 +93,12 @@ def build_manifest(checkpoint: Path, global_step: int | None, epoch: int | None,
     }
 
 
-def launch_ids() -> dict[str, str]:
-    """This process's launcher job ids (torchrun's run id, SLURM's job id), those that are set."""
-    return {key: os.environ[name] for key, name in LAUNCH_IDS.items() if os.environ.get(name)}
-
-
 def read_manifest(checkpoint: str | Path) -> dict[str, Any] | None:
     """The checkpoint's manifest, or None when it has none (written without this plugin)."""
+    if is_remote(checkpoint):
+        import lightning_train.checkpoint.remote as remote
+
+        return remote.read_manifest(str(checkpoint))
     path = manifest_path(checkpoint)
     if not path.is_file():
         return None
@@ -109,19 +111,17 @@ def read_manifest(checkpoint: str | Path) -> dict[str, Any] | None:
     return manifest
 
 
-def check_format_version(version: int, source: str | Path) -> None:
-    if version > FORMAT_VERSION:
-        raise IncompatibleCheckpointError(
-            f"{source} was written with checkpoint format {version}, but this lightning_train reads format "
-            f"{FORMAT_VERSION} and older; upgrade lightning_train to resume from it"
-        )
-
-
 def verify_checkpoint(checkpoint: str | Path) -> dict[str, Any] | None:
     """Check a checkpoint against its manifest (every file present, same size, same sha256) and return the
     manifest. Without a manifest, a file is checked as a zip archive (torch.save's format, with CRCs)
     and a folder for DCP's ``.metadata``, and None is returned. Raises ``CorruptCheckpointError`` naming
-    what is wrong, or ``IncompatibleCheckpointError`` for a newer format."""
+    what is wrong, or ``IncompatibleCheckpointError`` for a newer format. A remote checkpoint (``s3://``)
+    must have a manifest; it is downloaded once and checked (``remote.local_checkpoint``)."""
+    if is_remote(checkpoint):
+        import lightning_train.checkpoint.remote as remote
+
+        remote.local_checkpoint(str(checkpoint))
+        return remote.read_manifest(str(checkpoint))
     checkpoint = Path(checkpoint)
     if not checkpoint.exists():
         raise CorruptCheckpointError(f"checkpoint {checkpoint} does not exist")
@@ -201,10 +201,12 @@ def load_torch_file(
 
 def is_sharded_checkpoint(path: str | Path) -> bool:
     """Whether ``path`` is a sharded (``torch.distributed.checkpoint``) checkpoint folder."""
+    if is_remote(path):  # on object storage a folder is a checkpoint once its manifest is written
+        return is_file(join(str(path), FOLDER_MANIFEST))
     return Path(path).is_dir() and (Path(path) / METADATA_FILENAME).is_file()
 
 
-def sharded_folder_error(path: Path) -> UserInputError:
+def sharded_folder_error(path: str | Path) -> UserInputError:
     """What to say when a strategy that reads single files is given a sharded checkpoint folder."""
     return UserInputError(
         f"checkpoint {path} is a folder (a sharded checkpoint, as lt_fsdp writes): resume it with "
@@ -236,18 +238,29 @@ def read_checkpoint(path: str | Path, map_location: Any = "cpu", mmap: bool = Tr
         ...     print(str(error).split(",")[0].split("/")[-1])
         foreign.pt holds Python objects beyond tensors (datetime.date)
     """
+    if is_remote(path):
+        import lightning_train.checkpoint.remote as remote
+
+        source, path = str(path), remote.local_checkpoint(str(path))  # verified on the way
+        if path.is_dir():
+            raise sharded_folder_error(source)
+        return _load_checkpoint_dict(path, map_location, mmap, source)
     path = Path(path)
     if path.is_dir():
         raise sharded_folder_error(path)
     if not path.is_file():
         raise UserInputError(f"checkpoint {path} does not exist; check the path")
     verify_checkpoint(path)
-    checkpoint = load_torch_file(path, map_location=map_location, mmap=mmap)
+    return _load_checkpoint_dict(path, map_location, mmap, str(path))
+
+
+def _load_checkpoint_dict(path: Path, map_location: Any, mmap: bool, source: str) -> dict[str, Any]:
+    checkpoint = load_torch_file(path, map_location=map_location, mmap=mmap, source=source)
     if not isinstance(checkpoint, dict):
         raise CorruptCheckpointError(
-            f"{path} holds a {type(checkpoint).__name__}, not a checkpoint dictionary; pass a .ckpt file"
+            f"{source} holds a {type(checkpoint).__name__}, not a checkpoint dictionary; pass a .ckpt file"
         )
-    check_format_version(checkpoint.get(FORMAT_KEY, {}).get("format_version", 0), path)
+    check_format_version(checkpoint.get(FORMAT_KEY, {}).get("format_version", 0), source)
     return checkpoint
 
 

@@ -16,7 +16,9 @@ from typing import IO, Any
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
-from lightning_train._compat import PathLike, is_local_path
+import lightning_train.checkpoint.remote as remote
+import lightning_train.storage as storage
+from lightning_train._compat import PathLike
 from lightning_train.checkpoint.background import BackgroundWriter
 from lightning_train.checkpoint.format import (
     FORMAT_KEY,
@@ -41,7 +43,8 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     file (``--resume auto`` then falls back to the previous checkpoint), and a ``UserInputError`` for a
     checkpoint of a newer format. Loads are ``weights_only`` (no arbitrary code is unpickled) while still
     accepting the plain config dataclasses of lightning_train that modules keep in their hyperparameters.
-    Remote paths (``s3://`` ...) fall back to Lightning's own transactional write without a manifest.
+    Remote paths (``s3://`` ...) follow the same protocol on object storage (``checkpoint/remote.py``):
+    the object is uploaded, then its manifest, and loads download and verify it first.
 
     Args:
         async_save: stage each checkpoint to host memory and write it from a background thread, so that
@@ -80,8 +83,11 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     def save_checkpoint(
         self, checkpoint: dict[str, Any], path: PathLike, storage_options: Any | None = None
     ) -> None:
-        if storage_options is not None or not is_local_path(path):
+        if storage_options is not None:
             super().save_checkpoint(checkpoint, path, storage_options)
+            return
+        if storage.is_remote(path):
+            self._save_remote(checkpoint, str(path))
             return
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -92,6 +98,21 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         else:  # training waits only for the copy to host memory
             step = checkpoint.get("global_step")
             self.writer.submit(step, checkpoint, lambda staged: self._write(staged, path))
+
+    def _save_remote(self, checkpoint: dict[str, Any], url: str) -> None:
+        storage.check_access(url)
+        checkpoint = {**checkpoint, FORMAT_KEY: {"format_version": FORMAT_VERSION}}
+        if self.writer is None:
+            self._write_remote(checkpoint, url)
+        else:
+            self.writer.submit(checkpoint.get("global_step"), checkpoint,
+                               lambda staged: self._write_remote(staged, url))
+
+    def _write_remote(self, checkpoint: dict[str, Any], url: str) -> None:
+        digest = storage.write_stream(url, lambda f: self._serialize(checkpoint, f))
+        files = {storage.name(url): {"size": storage.size(url), "sha256": digest}}
+        step, epoch = checkpoint.get("global_step"), checkpoint.get("epoch")
+        remote.write_manifest(url, step, epoch, files, folder=False)  # the commit point
 
     def _write(self, checkpoint: dict[str, Any], path: Path) -> None:
         digest = atomic_write_bytes(path, lambda f: self._serialize(checkpoint, f))
@@ -105,8 +126,8 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         weights_only: bool | None = None,
     ) -> dict[str, Any]:
         self.flush()
-        if not is_local_path(path):
-            return super().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+        if storage.is_remote(path):  # downloaded once, verified, then read like a local checkpoint
+            path = remote.local_checkpoint(str(path))
         path = Path(path)
         if not path.exists():
             raise UserInputError(f"checkpoint {path} does not exist; check the path (or use --resume auto)")
@@ -141,9 +162,11 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             self.writer.after_writes(lambda: self._remove(path))
 
     def _remove(self, path: PathLike) -> None:
+        if storage.is_remote(path):
+            remote.remove_checkpoint(str(path))
+            return
         super().remove_checkpoint(path)
-        if is_local_path(path):
-            Path(str(path) + MANIFEST_SUFFIX).unlink(missing_ok=True)
+        Path(str(path) + MANIFEST_SUFFIX).unlink(missing_ok=True)
 
     def flush(self) -> None:
         """Wait for the checkpoints being written in the background (no-op without ``async_save``)."""

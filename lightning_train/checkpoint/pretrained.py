@@ -22,6 +22,8 @@ from typing import Any
 import torch
 from torch import nn
 
+import lightning_train.checkpoint.remote as remote
+import lightning_train.storage as storage
 from lightning_train.checkpoint.export import (
     CONFIG_FILE,
     MODEL_FILE,
@@ -104,8 +106,13 @@ def open_pretrained(
       (needs ``config``);
     - a ``.safetensors`` file with a ``config.json`` beside it (or ``config``), or the folder of both
       (what ``save_safetensors`` writes);
-    - a local Hugging Face GPT-2 / Llama folder (``config.json`` + safetensors, ``tokenizer.json``).
+    - a local Hugging Face GPT-2 / Llama folder (``config.json`` + safetensors, ``tokenizer.json``);
+    - an ``s3://`` URL of one of our checkpoints (file or folder): downloaded once and verified against its
+      manifest (``remote.local_checkpoint``).
     """
+    if storage.is_remote(source):
+        storage.check_access(str(source))
+        source = remote.local_checkpoint(str(source))
     path = Path(source).expanduser()
     if not path.exists():
         raise UserInputError(

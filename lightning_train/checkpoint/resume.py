@@ -42,9 +42,11 @@ from pathlib import Path
 
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
+import lightning_train.storage as storage
 from lightning_train.checkpoint.format import (
     DCP_METADATA,
     FOLDER_MANIFEST,
+    MANIFEST_SUFFIX,
     read_checkpoint,
     read_manifest,
     verify_checkpoint,
@@ -61,11 +63,13 @@ def resolve_resume(resume: str | None, checkpoint_dir: str | Path) -> str | None
     if resume.lower() == "auto":
         found = find_resume_checkpoint(checkpoint_dir)
         if found is None:
-            if not checkpoints_newest_first(Path(checkpoint_dir)):  # else the caller refuses to overwrite
+            if not checkpoints_newest_first(checkpoint_dir):  # else the caller refuses to overwrite
                 rank_zero_info(f"--resume auto: no checkpoint in {checkpoint_dir}, starting fresh")
             return None
         rank_zero_info(f"--resume auto: resuming from {found}")
         return str(found)
+    if storage.is_remote(resume):
+        return _resolve_remote(resume)
     path = Path(resume)
     if not path.exists():
         raise UserInputError(f"--resume {resume}: no such file or folder; pass {RESUME_CHOICES}")
@@ -82,13 +86,27 @@ def resolve_resume(resume: str | None, checkpoint_dir: str | Path) -> str | None
     return str(found)
 
 
-def find_resume_checkpoint(folder: str | Path) -> Path | None:
+def _resolve_remote(resume: str) -> str:
+    """``--resume s3://...``: a checkpoint (verified) or a folder of checkpoints (its newest valid one)."""
+    import lightning_train.checkpoint.remote as remote
+
+    if remote.is_checkpoint(resume):
+        verify_checkpoint(resume)
+        return resume
+    found = find_resume_checkpoint(resume)
+    if found is None:
+        raise UserInputError(f"--resume {resume}: no valid checkpoint there; pass {RESUME_CHOICES}")
+    rank_zero_info(f"--resume {resume}: resuming from {found}")
+    return str(found)
+
+
+def find_resume_checkpoint(folder: str | Path) -> Path | str | None:
     """The newest checkpoint in ``folder`` that passes verification, or None when there is none.
 
     Corrupt or unfinished checkpoints are skipped with a warning; a checkpoint written by a newer,
     incompatible format stops the search with an error (resuming from an older one would silently
     throw that progress away)."""
-    for candidate in checkpoints_newest_first(Path(folder)):
+    for candidate in checkpoints_newest_first(folder):
         try:
             verify_checkpoint(candidate)
         except CorruptCheckpointError as error:
@@ -98,8 +116,12 @@ def find_resume_checkpoint(folder: str | Path) -> Path | None:
     return None
 
 
-def checkpoints_newest_first(folder: Path) -> list[Path]:
-    """The checkpoint files and folders in ``folder``, unverified, newest (highest step) first."""
+def checkpoints_newest_first(folder: str | Path) -> list[Path] | list[str]:
+    """The checkpoint files and folders in ``folder``, unverified, newest (highest step) first. On object
+    storage only those with a manifest count (it is their commit point), newest by its step."""
+    if storage.is_remote(folder):
+        return _remote_newest_first(str(folder))
+    folder = Path(folder)
     if not folder.is_dir():
         return []
     seen: dict[Path, Path] = {}
@@ -110,6 +132,24 @@ def checkpoints_newest_first(folder: Path) -> list[Path]:
         if is_file_checkpoint or _is_checkpoint_folder(entry):
             seen.setdefault(entry.resolve(), entry)  # a symlinked last.ckpt is its target
     return sorted(seen.values(), key=_age_key, reverse=True)
+
+
+def _remote_newest_first(folder: str) -> list[str]:
+    import lightning_train.checkpoint.remote as remote
+
+    steps: dict[str, int] = {}
+    for name in storage.list_names(folder):
+        url = storage.join(folder, name)
+        if name.startswith(".") or name.endswith(MANIFEST_SUFFIX) or not remote.is_checkpoint(url):
+            continue
+        try:
+            step = (remote.read_manifest(url) or {}).get("global_step")
+        except CorruptCheckpointError:
+            step = None
+        steps[url] = step if isinstance(step, int) else -1
+    # a step's last.ckpt is written after its step=N checkpoint (and knows of it): it wins the tie, as
+    # the newer file does on local disk
+    return sorted(steps, key=lambda url: (steps[url], storage.name(url).startswith("last")), reverse=True)
 
 
 def _is_checkpoint_folder(path: Path) -> bool:

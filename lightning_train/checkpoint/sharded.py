@@ -27,6 +27,8 @@ from torch import nn
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata
 
+import lightning_train.checkpoint.remote as remote
+import lightning_train.storage as storage
 from lightning_train._compat import METADATA_FILENAME, TORCH_LAYOUT_GLOBAL
 from lightning_train.checkpoint.background import BackgroundWriter
 from lightning_train.checkpoint.format import (
@@ -100,6 +102,12 @@ class _SafeLoadPlanner(DefaultLoadPlanner):
         super().load_bytes(read_item, safe_copy)
 
 
+def _local(path: str | Path) -> Path:
+    """A folder on local disk: ``path`` itself, or the verified download of a remote one (each rank
+    downloads its own copy; DCP re-shards, so any rank may need any shard)."""
+    return remote.local_checkpoint(path) if storage.is_remote(path) else Path(path)
+
+
 def _load(state: dict[str, Any], path: str | Path) -> None:
     """``torch.distributed.checkpoint.load`` through the safe reader and planner."""
     from torch.distributed.checkpoint import load
@@ -111,7 +119,7 @@ def checkpoint_tensor_shapes(path: str | Path, section: str = "state_dict") -> d
     """Global shapes of the tensors saved under ``section`` (``"state_dict"``: the LightningModule's)."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    metadata = _SafeReader(str(path)).read_metadata().state_dict_metadata
+    metadata = _SafeReader(str(_local(path))).read_metadata().state_dict_metadata
     prefix = section + "."
     return {
         key[len(prefix) :]: tuple(item.size)
@@ -199,6 +207,7 @@ def load_sharded_model_state(
     """
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
+    path = _local(path) if is_sharded_checkpoint(path) else path
     if not is_sharded_checkpoint(path):
         raise UserInputError(f"{path} is not a sharded checkpoint folder (it has no {METADATA_FILENAME})")
     own = get_model_state_dict(model)
@@ -232,11 +241,15 @@ def save_sharded_checkpoint(
     collectives, which must not be the one training uses."""
     from torch.distributed.checkpoint import save
 
-    path, step, epoch = Path(path), checkpoint.get("global_step"), checkpoint.get("epoch")
+    step, epoch = checkpoint.get("global_step"), checkpoint.get("epoch")
     state = {"state_dict": checkpoint.pop("state_dict")}
     state.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
     if writer is not None:
         writer.ready_for(step)  # the staging folder may be the one an earlier write is still committing
+    if storage.is_remote(path):
+        remote.save_folder(checkpoint, state, str(path), is_writer, barrier, writer, process_group)
+        return
+    path = Path(path)
     staging = begin_checkpoint_dir(path, is_writer, barrier)
     if is_writer:
         torch.save(checkpoint, staging / METADATA_FILENAME)
@@ -257,7 +270,7 @@ def save_sharded_checkpoint(
 
 
 def load_sharded_checkpoint(
-    path: Path,
+    path: Path | str,
     module: nn.Module,
     optimizers: Sequence[torch.optim.Optimizer],
     strict: bool,
@@ -280,7 +293,12 @@ def load_sharded_checkpoint(
 
     # sha256 of every shard against the manifest, once (on the verifier rank), before any rank reads a byte
     problem = None
-    if is_verifier:
+    if storage.is_remote(path):
+        try:  # every rank downloads its copy, checked against the manifest on the way
+            path = _local(path)
+        except UserInputError as error:
+            problem = error
+    elif is_verifier:
         try:
             verify_checkpoint(path)
         except UserInputError as error:
@@ -340,7 +358,7 @@ def read_metadata(path: str | Path, weights_only: bool = True) -> dict[str, Any]
     """``meta.pt`` of a sharded checkpoint, loaded safely: ``weights_only`` (the default) accepts plain
     containers, tensors and ``format.safe_globals()`` only, so nothing in the file can run code;
     ``weights_only=False`` is for files the caller trusts."""
-    file = Path(path) / METADATA_FILENAME
+    file = _local(path) / METADATA_FILENAME
     if not file.is_file():
         raise UserInputError(f"sharded checkpoint {path} has no {METADATA_FILENAME}: it is incomplete")
     if not weights_only:
@@ -358,6 +376,7 @@ def read_whole_sharded_checkpoint(path: str | Path) -> dict[str, Any]:
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     verify_checkpoint(path)
+    path = _local(path)
     items = _SafeReader(str(path)).read_metadata().state_dict_metadata
     optimizers = range(len({key.split(".", 1)[0] for key in items if key.startswith("optimizer_")}))
     if not all(_flat_param_groups(path, index) for index in optimizers):

@@ -67,7 +67,7 @@ def restart_resume(resume: str | None, ckpt_path: str | None, checkpoint_dir: st
     job = {key: value for key, value in launch_ids().items() if value != "none"}
     if not _count("SLURM_RESTART_COUNT"):
         job.pop("slurm_job_id", None)  # two fits in one job script stay two runs
-    written = [_launch_of(path) for path in checkpoints_newest_first(Path(checkpoint_dir))]
+    written = [_launch_of(path) for path in checkpoints_newest_first(checkpoint_dir)]
     ids = ", ".join(f"{LAUNCH_IDS[key]}={value}" for key, value in job.items())
     if any(launch.get(key) == value for launch in written for key, value in job.items()):
         why = f"{checkpoint_dir} holds checkpoints of this job ({ids})"

@@ -9,6 +9,10 @@ The run name is ``--run_name`` (the folder ``<parent of trainer.default_root_dir
 last part of the config's ``trainer.default_root_dir``, else the config file's name (``runs/<stem>``).
 A new ``fit`` into a folder that holds a run is refused unless it resumes that run; a ``fit`` that resumes
 a run that already finished (its target or ``max_steps`` reached) says so and exits 0 without training.
+
+A run folder on object storage (``trainer.default_root_dir: s3://bucket/runs/x``) keeps the run's
+checkpoints there, ``s3://bucket/runs/x/checkpoints/``, what a restart on any machine needs; the
+launches' logs (``version_N/``) go to the local ``runs/x/`` of the machine that ran them.
 """
 
 from __future__ import annotations
@@ -22,21 +26,28 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.cli import SaveConfigCallback
 from lightning.pytorch.trainer.states import TrainerFn
 
+import lightning_train.storage as storage
 from lightning_train.callbacks import TimeToQuality
 from lightning_train.callbacks.run_summary import SUMMARY_FILE, log_dir_of
 from lightning_train.checkpoint.format import read_manifest
+from lightning_train.checkpoint.resume import checkpoints_newest_first
 from lightning_train.errors import CorruptCheckpointError, UserInputError
 
 RUNS = Path("runs")
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 
 
-def run_folder(run_name: str | None, default_root_dir: str | None, config_files: list[Any]) -> Path:
-    """The run's folder from ``--run_name``, the config's ``default_root_dir`` and the config files."""
+def run_folder(run_name: str | None, default_root_dir: str | None, config_files: list[Any]) -> Path | str:
+    """The run's folder from ``--run_name``, the config's ``default_root_dir`` and the config files (a
+    URL when that is one)."""
     if run_name is not None and not _NAME.fullmatch(run_name):
         raise UserInputError(
             f"--run_name {run_name!r}: use a plain folder name (letters, digits, '.', '_', '-')"
         )
+    if storage.is_remote(default_root_dir):
+        assert default_root_dir is not None
+        root = default_root_dir.rstrip("/")
+        return storage.join(storage.parent(root), run_name) if run_name else root
     if default_root_dir:
         root = Path(default_root_dir)
         return root.parent / run_name if run_name else root
@@ -44,8 +55,13 @@ def run_folder(run_name: str | None, default_root_dir: str | None, config_files:
     return RUNS / (run_name or stem)
 
 
+def local_logs(url: str) -> Path:
+    """Where the launches of the run at ``url`` log: ``runs/<last part of the URL>``."""
+    return RUNS / storage.name(url)
+
+
 def check_fit(
-    trainer: Trainer, checkpoint_dir: Path, ckpt_path: str | None, resume_auto: bool,
+    trainer: Trainer, checkpoint_dir: Path | str, ckpt_path: str | None, resume_auto: bool,
     continue_past_target: bool,
 ) -> bool:
     """Before a ``fit``: refuse to mix runs in one folder; exit 0 (after saying so) when the run being
@@ -55,10 +71,16 @@ def check_fit(
     ``--resume auto`` that found no checkpoint may start afresh in a folder that holds only metrics (a
     launch killed before its first checkpoint), never over checkpoints."""
     folder = Path(trainer.default_root_dir)
-    own = ckpt_path is not None and Path(ckpt_path).resolve().is_relative_to(checkpoint_dir.resolve())
-    has_checkpoints = checkpoint_dir.is_dir() and any(
-        not entry.name.startswith(".") for entry in checkpoint_dir.iterdir()  # .partial: torn writes
-    )
+    if storage.is_remote(checkpoint_dir):
+        own = ckpt_path is not None and ckpt_path.startswith(str(checkpoint_dir).rstrip("/") + "/")
+        # a checkpoint counts once its manifest is written: an upload cut short leaves none
+        has_checkpoints = bool(checkpoints_newest_first(checkpoint_dir))
+    else:
+        checkpoint_dir = Path(checkpoint_dir)
+        own = ckpt_path is not None and Path(ckpt_path).resolve().is_relative_to(checkpoint_dir.resolve())
+        has_checkpoints = checkpoint_dir.is_dir() and any(
+            not entry.name.startswith(".") for entry in checkpoint_dir.iterdir()  # .partial: torn writes
+        )
     has_metrics = any(folder.glob("version_*/metrics.csv"))
     if resume_auto and ckpt_path is None and has_checkpoints:
         raise UserInputError(
@@ -73,7 +95,7 @@ def check_fit(
             "--resume auto, or start a new one in its own folder with --run_name NAME"
         )
     if own:
-        finished = _finished(trainer, folder, Path(ckpt_path), continue_past_target)
+        finished = _finished(trainer, folder, ckpt_path, continue_past_target)
         if finished is not None:
             if trainer.is_global_zero:
                 print(finished, flush=True)
@@ -81,11 +103,12 @@ def check_fit(
     return own
 
 
-def _finished(trainer: Trainer, folder: Path, checkpoint: Path, continue_past_target: bool) -> str | None:
+def _finished(trainer: Trainer, folder: Path, checkpoint: str, continue_past_target: bool) -> str | None:
     """What to say when resuming ``checkpoint`` would train no further, else None."""
     step = _step_of(checkpoint)
     if step is not None and 0 < trainer.max_steps <= step:
-        return (f"{folder} is finished: its checkpoint {checkpoint.name} is at step {step}, "
+        name = storage.name(checkpoint) if storage.is_remote(checkpoint) else Path(checkpoint).name
+        return (f"{folder} is finished: its checkpoint {name} is at step {step}, "
                 f"max_steps={trainer.max_steps}; nothing to train (a higher --trainer.max_steps trains on)")
     summary = _latest_summary(folder)
     if summary is None or not summary["finished"] or step is None or step > summary["step"]:
@@ -116,7 +139,7 @@ def _latest_summary(folder: Path) -> dict[str, Any] | None:
         return None  # unreadable: treat the run as not finished, resuming is the safe side
 
 
-def _step_of(checkpoint: Path) -> int | None:
+def _step_of(checkpoint: str) -> int | None:
     try:
         manifest = read_manifest(checkpoint)
     except CorruptCheckpointError:

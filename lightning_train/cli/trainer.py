@@ -50,12 +50,19 @@ from lightning_train.checkpoint.format import safe_globals
 from lightning_train.cli._parsers import PROG, SUBCOMMANDS, ParserConventions
 from lightning_train.cli.checks import check_trainer_arguments
 from lightning_train.cli.elastic import restart_resume, torchrun_layout
-from lightning_train.cli.run_folder import SaveConfigWhenRunning, check_fit, remove_empty_launch, run_folder
+from lightning_train.cli.run_folder import (
+    SaveConfigWhenRunning,
+    check_fit,
+    local_logs,
+    remove_empty_launch,
+    run_folder,
+)
 from lightning_train.data.sft import SFTDataModule  # noqa: F401  (--data SFTDataModule finds imported ones)
 from lightning_train.data.text import TextDataModule  # noqa: F401
 from lightning_train.errors import UserInputError
 from lightning_train.modules import FinetuneModule, PretrainModule  # noqa: F401  (--model PretrainModule)
 from lightning_train.plugins.precision import amp_for_precision_flag
+from lightning_train.storage import check_access, is_remote, join
 from lightning_train.strategies import DataParallelStrategy  # noqa: F401  (registers lt_ddp/lt_fsdp/lt_auto)
 
 
@@ -164,9 +171,10 @@ class LightningTrainCLI(LightningCLI):
 
     def before_instantiate_classes(self) -> None:
         config = self.config[self.subcommand] if self.subcommand else self.config  # run=False: no subcommand
-        config.trainer.default_root_dir = str(
-            run_folder(config.get("run_name"), config.trainer.default_root_dir, config.get("config") or [])
-        )
+        root = run_folder(config.get("run_name"), config.trainer.default_root_dir, config.get("config") or [])
+        if is_remote(root):  # a missing bucket or refused credential: one line, before anything runs
+            check_access(str(root))
+        config.trainer.default_root_dir = str(root)
 
     def before_fit(self) -> None:
         self._resolve_checkpoint()
@@ -183,7 +191,8 @@ class LightningTrainCLI(LightningCLI):
             run = Path(self.trainer.default_root_dir).resolve()
             for callback in self.trainer.checkpoint_callbacks:
                 dirpath = getattr(callback, "dirpath", None)
-                if dirpath is not None and Path(dirpath).resolve().is_relative_to(run):
+                if dirpath is not None and (is_remote(dirpath)
+                                            or Path(dirpath).resolve().is_relative_to(run)):
                     silence_resumed_checkpoint_dir(dirpath)
 
     def before_validate(self) -> None:
@@ -235,9 +244,11 @@ class LightningTrainCLI(LightningCLI):
             return
         config["ckpt_path"] = resolve_resume(resume, folder)
 
-    def _checkpoint_dir(self) -> Path:
-        """The run's checkpoint folder: that of the first ``ModelCheckpoint``."""
+    def _checkpoint_dir(self) -> Path | str:
+        """The run's checkpoint folder: that of the first ``ModelCheckpoint`` (a URL on object storage)."""
         folders = [c.dirpath for c in self.trainer.checkpoint_callbacks if isinstance(c, ModelCheckpoint)]
+        if folders and is_remote(folders[0]):
+            return str(folders[0])
         return Path(folders[0]) if folders else Path(self.trainer.default_root_dir, "checkpoints")
 
     def fit(self, model: LightningModule, **kwargs: Any) -> None:
@@ -307,9 +318,15 @@ def _run_defaults(
       Lightning's own auto-requeue is off so that it does not act on the same signals (under torchrun
       inside SLURM, torchrun's ranks are the ones that count: Lightning's TorchElasticEnvironment).
     """
-    root = Path(trainer["default_root_dir"])  # set by before_instantiate_classes
+    root_dir = trainer["default_root_dir"]  # set by before_instantiate_classes
     callbacks, plugins = _as_list(trainer.get("callbacks")), _as_list(trainer.get("plugins"))
     defaults: dict[str, Any] = {}
+    if is_remote(root_dir):  # checkpoints on object storage, this launch's logs on local disk
+        root, checkpoint_dir = local_logs(root_dir), join(root_dir, "checkpoints")
+        defaults["default_root_dir"] = str(root)
+    else:
+        root = Path(root_dir)
+        checkpoint_dir = str(root / "checkpoints")
     if trainer.get("logger") in (None, True):
         name = "" if subcommand in ("fit", None) else subcommand  # evaluations never join the run's versions
         defaults["logger"] = CSVLogger(save_dir=str(root), name=name)
@@ -317,7 +334,7 @@ def _run_defaults(
     checkpoints = [c for c in callbacks if isinstance(c, ModelCheckpoint)]
     checkpoints = checkpoints or [ModelCheckpoint(save_last=True)]
     for checkpoint in checkpoints:
-        checkpoint.dirpath = checkpoint.dirpath or str(root / "checkpoints")
+        checkpoint.dirpath = checkpoint.dirpath or checkpoint_dir
     extra_callbacks: list[Callback] = [c for c in checkpoints if c not in callbacks]
     has_bar = any(isinstance(c, ProgressBar) for c in callbacks)
     if trainer.get("enable_progress_bar") is not False and not has_bar:

@@ -31,10 +31,12 @@ from typing import Any, BinaryIO
 import numpy as np
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 
+import lightning_train.data.object_storage as object_storage
 from lightning_train.data.bpe import TOKENIZER_FILE, check_tokenizer_choice, train_bpe
 from lightning_train.data.sources import Piece, collect_files, iter_pieces, stdlib_sources
 from lightning_train.data.tokenizers import Tokenizer, load_tokenizer
 from lightning_train.errors import UserInputError
+from lightning_train.storage import is_remote, name, scratch_dir
 
 FORMAT_VERSION = 1
 SPLITS = ("train", "val")
@@ -45,7 +47,7 @@ PREPARE_HINT = "python -m lightning_train prepare --inputs '[<text files or fold
 class PreparedDataset:
     """What ``prepare`` wrote. ``str()`` is its closing summary, which the CLI prints."""
 
-    output_dir: Path
+    output_dir: Path | str  # a URL when prepared onto object storage
     input_files: int
     input_bytes: int
     tokenizer: str  # what load_tokenizer takes: "byte", or a tokenizer.json (the folder's own when trained)
@@ -166,6 +168,10 @@ def prepare(
         raise UserInputError(f"num_workers={num_workers} is negative; use 0 to tokenize in this process")
     check_tokenizer_choice(tokenizer, train_tokenizer, vocab_size)
     started = time.perf_counter()
+    remote = str(output_dir) if is_remote(output_dir) else None
+    if remote is not None:  # built on local disk, then uploaded with meta.json last (data/object_storage.py)
+        object_storage.check_output(remote, overwrite)
+        output_dir = str(scratch_dir("prepare") / name(remote))
     out = Path(output_dir).expanduser().resolve()
     if out.exists() and not overwrite and (not out.is_dir() or any(out.iterdir())):
         raise UserInputError(
@@ -195,12 +201,14 @@ def prepare(
             )
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
         _publish(tmp, out, overwrite)
+        if remote is not None:
+            object_storage.publish(out, remote, overwrite)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # only exists here after a failure
     split_tokens = {split: sum(s["num_tokens"] for s in meta["shards"] if s["split"] == split)
                     for split in SPLITS}
     return PreparedDataset(
-        output_dir=out, input_files=len(files), input_bytes=sum(f.stat().st_size for f in files),
+        output_dir=remote or out, input_files=len(files), input_bytes=sum(f.stat().st_size for f in files),
         tokenizer=tokenizer_spec(out, meta), vocab_size=tok.vocab_size, train_tokens=split_tokens["train"],
         val_tokens=split_tokens["val"], shard_files=tuple(s["file"] for s in meta["shards"]),
         seconds=time.perf_counter() - started, trained_tokenizer=train_tokenizer,

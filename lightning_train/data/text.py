@@ -20,12 +20,14 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from lightning_train.data.default_corpus import default_corpus_dir
+from lightning_train.data.default_corpus import cache_dir, default_corpus_dir
 from lightning_train.data.loading import ResumableDataModule, check_at_least
 from lightning_train.data.mixture import LabeledSources, MixtureWindows
+from lightning_train.data.object_storage import local_dataset
 from lightning_train.data.shards import read_meta, tokenizer_spec
 from lightning_train.data.tokenizers import Tokenizer, load_tokenizer
 from lightning_train.errors import UserInputError
+from lightning_train.storage import is_remote
 
 
 class TokenWindows(Dataset):
@@ -236,6 +238,8 @@ class TextDataModule(ResumableDataModule):
     def _resolve_dir(self) -> Path:
         if self.mixture is not None:
             return Path(next(iter(self.mixture))).expanduser()
+        if is_remote(self.data_dir):  # s3://: read from a local copy (np.memmap needs files)
+            return local_dataset(str(self.data_dir), cache_dir())
         return default_corpus_dir() if self.data_dir is None else Path(self.data_dir).expanduser()
 
     def _windows(self, folder: Path, meta: dict[str, Any], split: str) -> TokenWindows:

@@ -40,8 +40,8 @@ from lightning_train._compat import (
     sync_module_states,
 )
 from lightning_train.checkpoint.format import is_sharded_checkpoint
-from lightning_train.checkpoint.storage import as_path
 from lightning_train.errors import UserInputError
+from lightning_train.storage import as_path
 from lightning_train.strategies.memory import (
     GiB,
     choose_sharding,
@@ -284,6 +284,9 @@ class DataParallelStrategy(ModelParallelStrategy):
         return device_memory_bytes(self.root_device, self.num_processes)
 
     def teardown(self) -> None:
+        # Lightning's ModelParallelStrategy.teardown never tears the CheckpointIO down: without this, a
+        # background (--async_checkpoint) write still in flight is cut off when the process exits
+        self.checkpoint_io.teardown()
         if isinstance(self.model, DistributedDataParallel):
             self.model = self.lightning_module
         super().teardown()
