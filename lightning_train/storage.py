@@ -211,7 +211,7 @@ def write_stream(url: str, write: Callable[[IO[bytes]], None]) -> str:
     with translated(url):
         file = fs.open(path, "wb")
         try:
-            write(_Hashing(file, digest))
+            write(HashingWriter(file, digest))
         except BaseException:
             discard = getattr(file, "discard", None)
             if discard is not None:
@@ -267,8 +267,8 @@ def scratch_dir(prefix: str) -> Path:
     return folder
 
 
-class _Hashing:
-    """A write-only file object that hashes what passes through."""
+class HashingWriter:
+    """A write-only file object that hashes what passes through (``torch.save`` writes sequentially)."""
 
     def __init__(self, file: IO[bytes], digest: Any) -> None:
         self.file, self.digest = file, digest

@@ -49,7 +49,7 @@ from lightning_train.checkpoint.manifest import (  # noqa: F401  (the protocol's
 from lightning_train.errors import CorruptCheckpointError, UserInputError
 from lightning_train.models.gpt import GPTConfig
 from lightning_train.models.lora import LoRAConfig
-from lightning_train.storage import is_file, is_remote, join
+from lightning_train.storage import HashingWriter, is_file, is_remote, join
 
 _CHUNK = 1 << 22
 
@@ -299,7 +299,7 @@ def atomic_write_bytes(path: Path, write: Callable[[IO[bytes]], None]) -> str:
     tmp = partial_path(path)
     digest = hashlib.sha256()
     with tmp.open("wb") as f:
-        write(_HashingWriter(f, digest))
+        write(HashingWriter(f, digest))
         f.flush()
         os.fsync(f.fileno())
     _commit(tmp, path)
@@ -352,19 +352,3 @@ def commit_checkpoint_dir(tmp: Path, final: Path, global_step: int | None, epoch
             os.fsync(f.fileno())
     write_manifest(tmp, global_step, epoch)
     _commit(tmp, final)
-
-
-class _HashingWriter:
-    """A write-only file object that hashes what passes through (torch.save writes sequentially)."""
-
-    def __init__(self, file: IO[bytes], digest: Any) -> None:
-        self.file, self.digest = file, digest
-
-    def write(self, data: bytes) -> int:
-        self.digest.update(data)
-        return self.file.write(data)
-
-    def flush(self) -> None:
-        self.file.flush()
-
-
