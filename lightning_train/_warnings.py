@@ -9,6 +9,7 @@ version no longer emits its message.
 from __future__ import annotations
 
 import logging
+import os
 import re
 import warnings
 from pathlib import Path
@@ -51,6 +52,13 @@ def silence_known_noise() -> None:
     """Install the filters above; ``import lightning_train`` does (idempotent)."""
     for message, category, module in _KNOWN_WARNINGS:
         warnings.filterwarnings("ignore", message=message, category=category, module=module)
+    if "SLURM_JOB_ID" not in os.environ:
+        # SLURM's client installed (a login node, a workstation) and a fit outside any job: Lightning's hint
+        # to prepend srun is noise there; inside a job it may name a real mistake, so it stays
+        warnings.filterwarnings(
+            "ignore", message=r"The `srun` command is available on your system but is not used",
+            category=UserWarning, module=r"lightning\.fabric\.plugins\.environments\.slurm$",
+        )
     for name, pattern in _KNOWN_LOG_LINES:
         logger = logging.getLogger(name)
         if not any(isinstance(f, _DropMatching) and f.pattern.pattern == pattern for f in logger.filters):
