@@ -25,7 +25,6 @@ import os
 import pathlib
 import re
 import shutil
-import time
 import zipfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -45,6 +44,7 @@ from lightning_train.checkpoint.manifest import (  # noqa: F401  (the protocol's
     PARTIAL_SUFFIX,
     check_format_version,
     launch_ids,
+    new_manifest,
 )
 from lightning_train.errors import CorruptCheckpointError, UserInputError
 from lightning_train.models.gpt import GPTConfig
@@ -80,17 +80,10 @@ def build_manifest(checkpoint: Path, global_step: int | None, epoch: int | None,
         names = {p: p.relative_to(checkpoint).as_posix() for p in files}
     else:
         names = {checkpoint: checkpoint.name}
-    return {
-        "format_version": FORMAT_VERSION,
-        "global_step": global_step,
-        "epoch": epoch,
-        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "launch": launch_ids(),
-        "files": {
-            name: {"size": path.stat().st_size, "sha256": digests.get(name) or sha256_file(path)}
-            for path, name in names.items()
-        },
-    }
+    return new_manifest(global_step, epoch, {
+        name: {"size": path.stat().st_size, "sha256": digests.get(name) or sha256_file(path)}
+        for path, name in names.items()
+    })
 
 
 def read_manifest(checkpoint: str | Path) -> dict[str, Any] | None:

@@ -4,7 +4,9 @@ object storage (``remote.py``)."""
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
+from typing import Any
 
 from lightning_train.errors import IncompatibleCheckpointError
 
@@ -22,6 +24,16 @@ LAUNCH_IDS = {"torchelastic_run_id": "TORCHELASTIC_RUN_ID", "slurm_job_id": "SLU
 def launch_ids() -> dict[str, str]:
     """This process's launcher job ids (torchrun's run id, SLURM's job id), those that are set."""
     return {key: os.environ[name] for key, name in LAUNCH_IDS.items() if os.environ.get(name)}
+
+
+def new_manifest(
+    global_step: int | None, epoch: int | None, files: dict[str, dict[str, Any]]
+) -> dict[str, Any]:
+    """A manifest naming ``files`` (name -> size and sha256), written by this process now."""
+    return {
+        "format_version": FORMAT_VERSION, "global_step": global_step, "epoch": epoch,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "launch": launch_ids(), "files": files,
+    }
 
 
 def check_format_version(version: int, source: str | Path) -> None:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -30,10 +29,9 @@ import lightning_train.storage as storage
 from lightning_train._compat import METADATA_FILENAME
 from lightning_train.checkpoint.manifest import (
     FOLDER_MANIFEST,
-    FORMAT_VERSION,
     MANIFEST_SUFFIX,
     check_format_version,
-    launch_ids,
+    new_manifest,
 )
 from lightning_train.errors import CorruptCheckpointError
 
@@ -73,10 +71,7 @@ def is_checkpoint(url: str) -> bool:
 def write_manifest(url: str, global_step: int | None, epoch: int | None, files: dict[str, dict[str, Any]],
                    folder: bool, data: str | None = None) -> None:
     """The commit point: one PUT of the manifest, after every file it names is uploaded."""
-    manifest: dict[str, Any] = {
-        "format_version": FORMAT_VERSION, "global_step": global_step, "epoch": epoch,
-        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "launch": launch_ids(), "files": files,
-    }
+    manifest = new_manifest(global_step, epoch, files)
     if data is not None:
         manifest["data"] = data  # the folder's data prefix: DCP reads the checkpoint from there
     target = storage.join(url, FOLDER_MANIFEST) if folder else url + MANIFEST_SUFFIX
