@@ -1,4 +1,4 @@
-"""Every use of a private name of torch, Lightning, tqdm or argparse, in one place.
+"""Every use of a private name of torch, Lightning, torchmetrics, tqdm or argparse, in one place.
 
 Private names change without notice, so each one is reached only through a small function here, with a
 test of its own in ``tests/test_compat.py``: a dependency upgrade that breaks one fails a named test
@@ -343,6 +343,44 @@ def subcommand_parser(cli: Any, name: str, **options: Any) -> Any:
         cli._subcommand_parsers = {}
     cli._subcommand_parsers[name] = parser
     return parser
+
+
+# ---- torchmetrics ----------------------------------------------------------------------------------------
+# Its flags for the optional packages whose metrics import them with torchmetrics itself (BERTScore, InfoLM,
+# CLIPScore, CLIP-IQA: transformers; Metric.plot: matplotlib); ``RequirementCache``s of
+# ``torchmetrics.utilities.imports`` (torchmetrics 1.4-1.9), which skip their check once ``available`` is set.
+_HEAVY_OPTIONAL_FLAGS = ("_TRANSFORMERS_AVAILABLE", "_TRANSFORMERS_GREATER_EQUAL_4_4",
+                         "_TRANSFORMERS_GREATER_EQUAL_4_10", "_MATPLOTLIB_AVAILABLE")
+FULL_TORCHMETRICS_ENV = "LIGHTNING_TRAIN_FULL_TORCHMETRICS"
+
+
+def torchmetrics_without_heavy_extras() -> None:
+    """Make the coming first import of torchmetrics (Lightning's import does it) see transformers and
+    matplotlib as absent: importing them takes about 1.7 of the 5.5 CPU seconds of ``import lightning``,
+    in every process of every run, for metrics training does not use. A no-op when torchmetrics is already
+    imported or ``LIGHTNING_TRAIN_FULL_TORCHMETRICS=1`` asks for those metrics. No public switch exists."""
+    if "torchmetrics" in sys.modules or os.environ.get(FULL_TORCHMETRICS_ENV) == "1":
+        return
+    import importlib.abc
+    import importlib.machinery
+
+    class FlagsOff(importlib.abc.MetaPathFinder):
+        def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
+            if name != "torchmetrics.utilities.imports":
+                return None
+            sys.meta_path.remove(self)
+            spec = importlib.machinery.PathFinder.find_spec(name, path)
+            run_module = spec.loader.exec_module
+
+            def exec_module(module: Any) -> None:
+                run_module(module)
+                for flag in _HEAVY_OPTIONAL_FLAGS:
+                    getattr(module, flag).available = False
+
+            spec.loader.exec_module = exec_module
+            return spec
+
+    sys.meta_path.insert(0, FlagsOff())
 
 
 # ---- tqdm and argparse ------------------------------------------------------------------------------------

@@ -507,6 +507,30 @@ def test_subcommand_actions():
     assert _compat.subcommand_actions(parser.add_argument("--seed")) is None
 
 
+# ---- torchmetrics ----------------------------------------------------------------------------------------
+TORCHMETRICS_FLAGS = (
+    "import sys\nfrom lightning_train._compat import torchmetrics_without_heavy_extras\n"
+    "torchmetrics_without_heavy_extras()\nimport torchmetrics.utilities.imports as flags\n"
+    "print([bool(getattr(flags, name)) for name in {flags!r}], 'transformers' in sys.modules, "
+    "'matplotlib' in sys.modules)"
+)
+
+
+@pytest.mark.parametrize("full", [False, True])
+def test_torchmetrics_without_heavy_extras(full: bool) -> None:
+    """In a fresh interpreter (torchmetrics not yet imported): torchmetrics sees transformers and matplotlib
+    as absent and does not import them; with LIGHTNING_TRAIN_FULL_TORCHMETRICS=1 both are as installed."""
+    from tests.conftest import cli_env
+
+    script = TORCHMETRICS_FLAGS.format(flags=_compat._HEAVY_OPTIONAL_FLAGS)
+    env = cli_env(**({_compat.FULL_TORCHMETRICS_ENV: "1"} if full else {}))
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    flags = len(_compat._HEAVY_OPTIONAL_FLAGS)
+    assert done.stdout.strip() == f"{[full] * flags} {full} {full}"
+
+
 # ---- private methods overridden in place (listed in _compat's docstring) ----------------------------------
 @pytest.mark.parametrize("base, name, caller", [
     (LightningCLI, "_add_subcommands", LightningCLI),
