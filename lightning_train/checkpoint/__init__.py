@@ -6,15 +6,16 @@
 - ``resume``: ``--resume auto|none|PATH``;
 - ``remote``: the same protocol on object storage (``s3://``: committed by the manifest, verified downloads);
 - ``pretrained``: ``open_pretrained``, weights from any source (our checkpoints, exports, HF folders);
-- ``export`` (file writing) and ``consolidate`` (``export``/``consolidate``): a Hugging Face folder, or
-  ``model.safetensors`` + ``config.json``.
+- ``model_folder`` (writing model folders) and ``consolidate`` (``export``/``consolidate``): a Hugging Face
+  folder, or ``model.safetensors`` + ``config.json``.
 
 The other names are imported on first use (``_lazy.py``); none of the tools' path imports Lightning.
 """
 
 from lightning_train._lazy import lazy_exports
 
-# Eager: these functions share their names with submodules, which would shadow them once imported.
+# Eager: ``consolidate`` shares its name with its submodule, which would shadow it once imported (the module
+# imports torch only when a function of it runs, so this face stays as cheap as the others).
 from lightning_train.checkpoint.consolidate import consolidate, export
 
 __all__ = [
@@ -40,8 +41,8 @@ __getattr__, __dir__ = lazy_exports(globals(), {
     "load_sharded_model_state": "lightning_train.checkpoint.sharded",
     "open_pretrained": "lightning_train.checkpoint.pretrained",
     "read_checkpoint": "lightning_train.checkpoint.format",
-    "read_gpt_config": "lightning_train.checkpoint.export",
+    "read_gpt_config": "lightning_train.checkpoint.model_folder",
     "resolve_resume": "lightning_train.checkpoint.resume",
-    "save_safetensors": "lightning_train.checkpoint.export",
+    "save_safetensors": "lightning_train.checkpoint.model_folder",
     "verify_checkpoint": "lightning_train.checkpoint.format",
 })

@@ -10,20 +10,8 @@ import re
 from pathlib import Path
 from typing import Literal
 
-import lightning_train.checkpoint.remote as remote
 import lightning_train.storage as storage
-from lightning_train.checkpoint.export import (
-    CONFIG_FILE,
-    EXPORT_FILES,
-    MODEL_FILE,
-    save_hf,
-    save_peft_adapter,
-    save_safetensors,
-    save_tokenizer,
-)
-from lightning_train.checkpoint.pretrained import open_pretrained
 from lightning_train.errors import UserInputError
-from lightning_train.models.hf import hf_config
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
@@ -59,6 +47,19 @@ def export(
         base_model: (``peft`` only) the base model's folder or hub id, recorded as the adapter's
             ``base_model_name_or_path`` (what ``AutoPeftModelForCausalLM`` loads); default: none.
     """
+    # here, not at the top: `export --help` and `consolidate --help` answer without importing torch
+    import lightning_train.checkpoint.remote as remote
+    from lightning_train.checkpoint.model_folder import (
+        CONFIG_FILE,
+        MODEL_FILE,
+        save_hf,
+        save_peft_adapter,
+        save_safetensors,
+        save_tokenizer,
+    )
+    from lightning_train.checkpoint.pretrained import open_pretrained
+    from lightning_train.models.hf import hf_config
+
     if storage.is_remote(checkpoint):  # s3://: downloaded once and verified (open_pretrained reuses it)
         storage.check_access(checkpoint)
         source = remote.local_checkpoint(checkpoint)
@@ -136,6 +137,8 @@ def parse_size(size: str | int) -> int:
 
 
 def _check_output(target: Path, overwrite: bool) -> None:
+    from lightning_train.checkpoint.model_folder import EXPORT_FILES
+
     if target.exists() and not target.is_dir():
         raise UserInputError(f"--output {target} is a file; pass a folder")
     if not target.is_dir() or not any(target.iterdir()):

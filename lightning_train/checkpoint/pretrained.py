@@ -24,14 +24,14 @@ from torch import nn
 
 import lightning_train.checkpoint.remote as remote
 import lightning_train.storage as storage
-from lightning_train.checkpoint.export import (
+from lightning_train.checkpoint.format import is_sharded_checkpoint, read_checkpoint
+from lightning_train.checkpoint.model_folder import (
     CONFIG_FILE,
     MODEL_FILE,
     is_byte_tokenizer,
     is_our_export,
     read_gpt_config,
 )
-from lightning_train.checkpoint.format import is_sharded_checkpoint, read_checkpoint
 from lightning_train.data.shards import tokenizer_spec
 from lightning_train.data.tokenizers import ByteTokenizer
 from lightning_train.errors import CorruptCheckpointError, UserInputError
