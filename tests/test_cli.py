@@ -1,4 +1,5 @@
-"""The CLI end to end, as a user runs it: real subprocesses, real files, exit codes and messages."""
+"""The CLI end to end, as a user runs it: real subprocesses, real files, exit codes and messages (in this
+process where only a command's answer is checked: bad input, ``--print_config``)."""
 
 import csv
 import json
@@ -7,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import REPO, run_cli
+from tests.conftest import REPO, run_cli, run_cli_in_process
 
 CONFIG = str(REPO / "configs" / "pretrain-tiny.yaml")
 # The default config shrunk so that a run takes seconds.
@@ -57,7 +58,7 @@ def test_fit_writes_checkpoints_and_metrics_and_learns(tmp_path):
 
 
 def test_print_config_resolves_every_section(tmp_path):
-    result = run_cli("fit", "--config", CONFIG, "--print_config", cwd=tmp_path)
+    result = run_cli_in_process("fit", "--config", CONFIG, "--print_config", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     config = yaml.safe_load(result.stdout)
     assert config["model"]["class_path"] == "lightning_train.PretrainModule"
@@ -117,7 +118,7 @@ def test_prepare_then_fit_on_own_corpus(tmp_path):
     ids=["unknown-key", "wrong-type", "missing-data", "ids-exceed-vocab", "seq-longer-than-context"],
 )
 def test_bad_input_is_one_clear_line_and_exit_2(tmp_path, args, expected):
-    result = run_cli(
+    result = run_cli_in_process(
         "fit",
         "--config",
         CONFIG,

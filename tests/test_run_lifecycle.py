@@ -1,8 +1,9 @@
 """A run from its first launch to its end, as a person and a job script see it: the summary at the end,
 one folder per run that no other launch mixes into, and a finished run that stays finished.
 
-Real subprocesses of the CLI on the tiny deterministic run of tests/helpers/ft_runs.py (12 steps,
-checkpoints every 3, validation every 4)."""
+Real subprocesses of the CLI (in this process where only what a command answers and writes is checked)
+on the tiny deterministic run of tests/helpers/ft_runs.py (12 steps, checkpoints every 3, validation
+every 4)."""
 
 from __future__ import annotations
 
@@ -16,16 +17,17 @@ from pathlib import Path
 import pytest
 
 from lightning_train.callbacks.preemption import PREEMPTED_EXIT_CODE
-from tests.conftest import REPO, cli_env
+from tests.conftest import REPO, cli_env, run_cli_in_process
 from tests.helpers.ft_runs import fault, final_state, fit, write_config
 
 TARGET = {"class_path": "lightning_train.callbacks.TimeToQuality", "init_args": {"target": 100.0}}
 
 
 def launch(*args: str) -> subprocess.CompletedProcess:
-    """``python -m lightning_train ARGS`` (no ``--resume``); stderr merged into stdout."""
-    return subprocess.run([sys.executable, "-m", "lightning_train", *args], cwd=REPO, env=cli_env(),
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=240)
+    """``python -m lightning_train ARGS`` in this process (what the command answers and writes, without an
+    interpreter's start-up); stdout, then stderr, in ``stdout``."""
+    done = run_cli_in_process(*args, cwd=REPO)
+    return subprocess.CompletedProcess(done.args, done.returncode, done.stdout + done.stderr)
 
 
 def screen(output: str) -> list[str]:

@@ -18,27 +18,30 @@ from safetensors.torch import load_file
 
 from lightning_train.checkpoint import consolidate
 from lightning_train.models.gpt import GPT, GPTConfig
-from tests.conftest import REPO, cli_env, run_cli
+from tests.conftest import REPO, cli_env, run_cli, run_cli_in_process
 from tests.helpers.strategy_probe import PatternDataset
 
 pytestmark = pytest.mark.slow
 FSDP_CONFIG = str(REPO / "configs" / "pretrain-tiny-fsdp.yaml")
-ENV = cli_env(PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "tests" / "helpers")]))
+HELPERS = str(REPO / "tests" / "helpers")
+ENV = cli_env(PYTHONPATH=os.pathsep.join([str(REPO), HELPERS]))
 TINY = {"vocab_size": 258, "block_size": 16, "n_layer": 2, "n_head": 2, "n_embd": 32}
 
 
 def _fit(tmp_path: Path, name: str, *args: str) -> tuple[list[dict], str]:
-    """Run ``fit`` with the probe; returns the per-rank reports and stderr."""
+    """Run ``fit`` with the probe; returns the per-rank reports and stderr. A one-device run (a
+    reference) runs in this process: the same code from argv on, without an interpreter's start-up."""
     out = tmp_path / "probe" / name
-    result = run_cli(
-        "fit",
-        *args,
-        f"--trainer.default_root_dir={tmp_path / name}",
-        "--trainer.callbacks+=strategy_probe.StrategyProbe",
-        f"--trainer.callbacks.output_dir={out}",
-        cwd=tmp_path,
-        env=ENV,
-    )
+    args = ("fit", *args, f"--trainer.default_root_dir={tmp_path / name}",
+            "--trainer.callbacks+=strategy_probe.StrategyProbe", f"--trainer.callbacks.output_dir={out}")
+    if "--trainer.devices=1" in args:
+        sys.path.insert(0, HELPERS)  # strategy_probe, as ENV's PYTHONPATH gives it to a subprocess
+        try:
+            result = run_cli_in_process(*args, cwd=tmp_path)
+        finally:
+            sys.path.remove(HELPERS)
+    else:
+        result = run_cli(*args, cwd=tmp_path, env=ENV)
     if result.returncode != 0:  # each rank's own error first: another rank's traceback can fill the tail
         errors = [line for line in result.stderr.splitlines() if "Error" in line or "what()" in line]
         raise AssertionError("\n".join(errors[:20]) + "\n...\n" + result.stderr[-3000:])
