@@ -23,6 +23,14 @@ from tests.helpers.tiny_runs import TINY
 REPO = Path(__file__).resolve().parents[1]
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Modules that hold a ``slow`` test run first, the rest after them, each module's tests together and
+    in their order: under ``pytest -n 2`` the workers then end on short tests, not one on a minute-long
+    multi-process test while the other has nothing left (longest first fills the workers most evenly)."""
+    heavy = {item.path for item in items if item.get_closest_marker("slow") is not None}
+    items.sort(key=lambda item: item.path not in heavy)
+
+
 @pytest.fixture(autouse=True)
 def no_process_group_left_behind(request: pytest.FixtureRequest) -> Iterator[None]:
     """Fail the test that leaves a default process group in this worker, not the later test whose own
