@@ -383,6 +383,21 @@ def torchmetrics_without_heavy_extras() -> None:
     sys.meta_path.insert(0, FlagsOff())
 
 
+def object_storage_check_without_imports() -> None:
+    """Lightning asks of every path it writes whether its filesystem is object storage, importing s3fs,
+    gcsfs and adlfs to check (``lightning.fabric.utilities.cloud_io._is_object_storage``, Lightning
+    2.5-2.6): ~0.3 CPU s in every process where the ``s3`` extra is installed, for local paths too. An
+    instance of one of their filesystems exists only once its package is imported, so with none imported
+    the answer is no, without importing them."""
+    import lightning.fabric.utilities.cloud_io as cloud_io
+
+    check = cloud_io._is_object_storage
+    cloud_io._is_object_storage = lambda fs: bool(_OBJECT_STORAGE_PACKAGES & sys.modules.keys()) and check(fs)
+
+
+_OBJECT_STORAGE_PACKAGES = frozenset({"s3fs", "gcsfs", "adlfs"})
+
+
 # ---- tqdm and argparse ------------------------------------------------------------------------------------
 def open_tqdm_bars() -> list[tqdm]:
     """Every tqdm bar not yet closed (``tqdm._instances``, tqdm 4.66-4.70; no public one)."""

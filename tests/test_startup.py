@@ -85,9 +85,9 @@ def test_a_one_device_fit_imports_neither_sharded_checkpoints_nor_pipelining(tmp
     """torch.distributed.checkpoint and .pipelining (about 0.1 s each) are for runs that shard or pipeline;
     a one-device fit that saves and validates does not import them, nor the transformers and matplotlib
     that torchmetrics imports with itself when they are installed (1.7 CPU seconds; _compat's
-    torchmetrics_without_heavy_extras)."""
+    torchmetrics_without_heavy_extras), nor the s3fs Lightning imports to check local paths (0.3 s)."""
     watched = ("torch.distributed.checkpoint", "torch.distributed.pipelining", "transformers", "matplotlib",
-               "lightning")
+               "s3fs", "lightning")
     loaded = imported([*TINY_FIT, f"--trainer.default_root_dir={tmp_path}/run"], tmp_path, watched)
     assert loaded == ["lightning"]  # the control: the watch sees what the fit imported
     assert (tmp_path / "run" / "checkpoints" / "last.ckpt").is_file()

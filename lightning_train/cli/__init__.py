@@ -74,10 +74,15 @@ def _main(argv: list[str] | None) -> None:
         elif {"-h", "--help"} & set(args) and not set(SUBCOMMANDS) & set(args):
             print(top_level_help(), end="")
         else:
-            from lightning_train._compat import torchmetrics_without_heavy_extras
+            from lightning_train._compat import (
+                object_storage_check_without_imports,
+                torchmetrics_without_heavy_extras,
+            )
 
             torchmetrics_without_heavy_extras()  # before Lightning's import, which imports torchmetrics
             from lightning_train.cli.trainer import LightningTrainCLI
+
+            object_storage_check_without_imports()
             from lightning_train.strategies.data_parallel import leave_process_group
 
             atexit.register(leave_process_group)  # whatever the strategy: see leave_process_group
