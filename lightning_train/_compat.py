@@ -383,19 +383,25 @@ def torchmetrics_without_heavy_extras() -> None:
     sys.meta_path.insert(0, FlagsOff())
 
 
+_OBJECT_STORAGE_PACKAGES = frozenset({"s3fs", "gcsfs", "adlfs"})
+
+
 def object_storage_check_without_imports() -> None:
     """Lightning asks of every path it writes whether its filesystem is object storage, importing s3fs,
     gcsfs and adlfs to check (``lightning.fabric.utilities.cloud_io._is_object_storage``, Lightning
     2.5-2.6): ~0.3 CPU s in every process where the ``s3`` extra is installed, for local paths too. An
     instance of one of their filesystems exists only once its package is imported, so with none imported
-    the answer is no, without importing them."""
+    the answer is no, without importing them. Once per process (a second call finds it in place)."""
     import lightning.fabric.utilities.cloud_io as cloud_io
 
     check = cloud_io._is_object_storage
-    cloud_io._is_object_storage = lambda fs: bool(_OBJECT_STORAGE_PACKAGES & sys.modules.keys()) and check(fs)
+    if check.__module__ == __name__:
+        return
 
+    def is_object_storage(fs: Any) -> bool:
+        return bool(_OBJECT_STORAGE_PACKAGES & sys.modules.keys()) and check(fs)
 
-_OBJECT_STORAGE_PACKAGES = frozenset({"s3fs", "gcsfs", "adlfs"})
+    cloud_io._is_object_storage = is_object_storage
 
 
 # ---- tqdm and argparse ------------------------------------------------------------------------------------

@@ -534,7 +534,8 @@ def test_torchmetrics_without_heavy_extras(full: bool) -> None:
 OBJECT_STORAGE_CHECK = (
     "import sys\nimport fsspec\nimport lightning.fabric.utilities.cloud_io as cloud_io\n"
     "from lightning_train._compat import object_storage_check_without_imports\n"
-    "object_storage_check_without_imports()\n"
+    "object_storage_check_without_imports()\nfirst = cloud_io._is_object_storage\n"
+    "object_storage_check_without_imports()\nassert cloud_io._is_object_storage is first  # once only\n"
     "local = [cloud_io._is_object_storage(fsspec.filesystem('file')), 's3fs' in sys.modules]\n"
     "from s3fs import S3FileSystem\n"
     "print(local, cloud_io._is_object_storage(S3FileSystem(anon=True)))"
@@ -543,7 +544,7 @@ OBJECT_STORAGE_CHECK = (
 
 def test_object_storage_check_without_imports() -> None:
     """In a fresh interpreter: a local filesystem is not object storage and s3fs stays unimported; an
-    S3 filesystem (s3fs imported to make it) still is."""
+    S3 filesystem (s3fs imported to make it) still is; a second call changes nothing."""
     done = subprocess.run([sys.executable, "-c", OBJECT_STORAGE_CHECK], capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
