@@ -33,6 +33,7 @@ from tqdm import tqdm
 from lightning_train import _compat
 from lightning_train.plugins import AmpPrecision
 from lightning_train.strategies import DataParallelStrategy
+from tests.conftest import cli_env
 
 QUIET = dict(
     accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, enable_model_summary=False
@@ -520,8 +521,6 @@ TORCHMETRICS_FLAGS = (
 def test_torchmetrics_without_heavy_extras(full: bool) -> None:
     """In a fresh interpreter (torchmetrics not yet imported): torchmetrics sees transformers and matplotlib
     as absent and does not import them; with LIGHTNING_TRAIN_FULL_TORCHMETRICS=1 both are as installed."""
-    from tests.conftest import cli_env
-
     script = TORCHMETRICS_FLAGS.format(flags=_compat._HEAVY_OPTIONAL_FLAGS)
     env = cli_env(**({_compat.FULL_TORCHMETRICS_ENV: "1"} if full else {}))
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
