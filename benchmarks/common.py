@@ -240,6 +240,7 @@ def launch_worker(script: str, name: str, size: str, threads: int) -> list[dict[
     with tempfile.TemporaryDirectory() as folder:
         command = [sys.executable, script, "--worker", name, "--size", size, "--result-dir", folder]
         env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": str(REPO)}
+        env.pop("MASTER_PORT", None)  # each launch finds a free port: launches may run side by side
         done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
         if done.returncode != 0:
             raise RuntimeError(f"{name} run failed:\n{done.stderr[-3000:]}")

@@ -14,13 +14,15 @@ activations <= 0.6x of one process.
     python benchmarks/model_parallel.py --smoke    # seconds: a tiny model
 
 Each layout is a fresh ``python benchmarks/model_parallel.py --worker LAYOUT`` launch; Lightning's
-launcher starts rank 1 by re-running that command line.
+launcher starts rank 1 by re-running that command line. The three launches run at the same time: they
+count bytes, which sharing the cores does not change.
 """
 
 from __future__ import annotations
 
 import json
 from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -157,8 +159,11 @@ def main() -> None:
         return worker(args.worker, args.size, args.result_dir)
 
     size = "smoke" if args.smoke else "full"
-    # byte counts, not timings: one run of each layout is exact (the same on every rerun)
-    runs = {layout: launch(layout, size, args.threads) for layout in LAYOUTS}
+    # byte counts, not timings: one run of each layout is exact (the same on every rerun), so the
+    # layouts run side by side (each launch a process of its own, waited on by a thread)
+    with ThreadPoolExecutor(len(LAYOUTS)) as pool:
+        futures = {layout: pool.submit(launch, layout, size, args.threads) for layout in LAYOUTS}
+    runs = {layout: future.result() for layout, future in futures.items()}
     keys = ("param_bytes", "grad_bytes", "optimizer_bytes", "model_state_bytes", "activation_bytes")
     memory = {key: {layout: largest_rank(ranks, key) for layout, ranks in runs.items()} for key in keys}
     for row in memory.values():
