@@ -42,10 +42,10 @@ slurm:
 	  echo "make slurm: no SLURM and no way to install it here (needs root and apt-get)"
 
 test: venv browser slurm
-	$(TEST_ENV) $(PY) -m pytest -n 2 --durations=15 -q
+	$(TEST_ENV) $(PY) -m pytest -n 2 --dist worksteal --durations=15 -q
 
 test-quick: venv browser slurm
-	$(TEST_ENV) $(PY) -m pytest -n 2 -q -m "not slow"
+	$(TEST_ENV) $(PY) -m pytest -n 2 --dist worksteal -q -m "not slow"
 
 lint: venv
 	$(VENV)/bin/ruff check .

@@ -25,8 +25,9 @@ REPO = Path(__file__).resolve().parents[1]
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Modules that hold a ``slow`` test run first, the rest after them, each module's tests together and
-    in their order: under ``pytest -n 2`` the workers then end on short tests, not one on a minute-long
-    multi-process test while the other has nothing left (longest first fills the workers most evenly)."""
+    in their order. ``make test`` runs ``pytest -n 2 --dist worksteal``: the first worker starts on the
+    slow half, the second on the short half and then takes the first's remaining tests from the end of
+    its queue, so neither sits idle while the other runs minute-long multi-process tests."""
     heavy = {item.path for item in items if item.get_closest_marker("slow") is not None}
     items.sort(key=lambda item: item.path not in heavy)
 
