@@ -1,9 +1,12 @@
 """Every exception lightning_train raises for a user to catch: bad input, bad checkpoints, an aborted run,
-a stopped run. The CLI maps them to exit codes: 2 (``UserInputError`` and its subclasses), 3
+a stopped run, a write the file system refused. The CLI maps them to exit codes: 2 (``UserInputError`` and
+its subclasses, ``WriteFailedError`` among them), 3
 (``TrainingAborted``), 75 or 130 (``Preempted``), 77 or 75 (``FaultyNode``)."""
 
 from __future__ import annotations
 
+import errno
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -78,3 +81,64 @@ class FaultyNode(SystemExit):
     def __init__(self, code: int, checkpoint: Path, forensics: Path, verdict: dict[str, Any]) -> None:
         super().__init__(code)
         self.checkpoint, self.forensics, self.verdict = checkpoint, forensics, verdict
+
+
+class WriteFailedError(UserInputError):
+    """A write that the file system refused: out of space, over a quota, read-only, no permission, or a
+    file where a folder should be. The message names the path, the bytes needed where known, and the fix;
+    whatever the failed write had started is removed before this is raised.
+
+    Example:
+
+        >>> import errno
+        >>> from lightning_train.errors import write_failed
+        >>> error = OSError(errno.EROFS, "Read-only file system")
+        >>> print(write_failed("/data/run/x.ckpt", error, "pass a writable --output"))
+        cannot write /data/run/x.ckpt: the file system is read-only; pass a writable --output
+    """
+
+
+_WHY = {
+    errno.EDQUOT: "the disk quota is exceeded",
+    errno.EROFS: "the file system is read-only",
+    errno.EACCES: "permission denied",
+    errno.EPERM: "permission denied",
+    errno.ENOTDIR: "a file stands where a folder should be",
+    errno.EEXIST: "a file stands where a folder should be",
+    errno.EISDIR: "a folder stands where a file should be",
+}
+
+
+def write_failed(
+    path: str | Path, error: BaseException, fix: str, needed: int | None = None
+) -> WriteFailedError:
+    """The one-line ``WriteFailedError`` for ``error`` (an ``OSError``, or an error that happened during
+    one, as torch's writer raises it) while writing ``path``; ``needed``: the bytes the write needs."""
+    os_error = os_error_of(error)
+    number = os_error.errno if os_error is not None else None
+    if number == errno.ENOSPC:
+        free = _free_bytes(Path(path))
+        room = f", {free:,} bytes free there" if free is not None else ""
+        size = f"; it needs {needed:,} bytes" if needed is not None else ""
+        why = f"no space left on the device{room}{size}"
+    else:
+        why = _WHY.get(number) or (os_error.strerror if os_error is not None else None) or str(error)
+    return WriteFailedError(f"cannot write {path}: {why}; {fix}")
+
+
+def os_error_of(error: BaseException | None) -> OSError | None:
+    """The ``OSError`` that ``error`` is or happened during (torch's writers wrap it), else None."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, OSError) and error.errno is not None:
+            return error
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return None
+
+
+def _free_bytes(path: Path) -> int | None:
+    for folder in (path, *path.parents):
+        if folder.is_dir():
+            return shutil.disk_usage(folder).free
+    return None
