@@ -126,6 +126,14 @@ def write_failed(
     return WriteFailedError(f"cannot write {path}: {why}; {fix}")
 
 
+def refused_write_of(error: BaseException | None) -> OSError | None:
+    """The ``OSError`` behind ``error`` when only a write can have raised it (out of space or quota, a
+    read-only file system, a file over the size limit), else None."""
+    os_error = os_error_of(error)
+    refused = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG)
+    return os_error if os_error is not None and os_error.errno in refused else None
+
+
 def os_error_of(error: BaseException | None) -> OSError | None:
     """The ``OSError`` that ``error`` is or happened during (torch's writers wrap it), else None."""
     seen: set[int] = set()

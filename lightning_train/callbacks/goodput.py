@@ -44,7 +44,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning_train.callbacks._common import is_logging_step, log_metrics
 from lightning_train.callbacks.nan_recovery import NaNRecovery
 from lightning_train.callbacks.run_summary import log_dir_of
-from lightning_train.errors import TrainingAborted, UserInputError
+from lightning_train.errors import TrainingAborted, UserInputError, os_error_of
 from lightning_train.loggers.goodput import (
     PARTS,
     LiveRecord,
@@ -235,9 +235,10 @@ class Goodput(Callback):
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, error: BaseException) -> None:
         if isinstance(error, TrainingAborted):  # NaNRecovery restored its snapshot before giving up
             self._roll_back()
-        self._finish("stopped")
+        # after a write the file system refused (a full disk), nothing more is written
+        self._finish("stopped", write=os_error_of(error) is None)
 
-    def _finish(self, state: str) -> None:
+    def _finish(self, state: str, write: bool = True) -> None:
         self._note_rollback()
         now = time.perf_counter()
         if not self._training:
@@ -250,7 +251,8 @@ class Goodput(Callback):
             self.seconds["other"] += self._close_gap(now)
         self.seconds["other"] += self._step_sec  # no optimizer step came of it
         self._step_sec, self._mark, self._state = 0.0, now, state
-        self._write(goodput_json=True)
+        if write:
+            self._write(goodput_json=True)
         if self._live is not None:
             self._live.close()
             self._live = None

@@ -6,10 +6,11 @@ record of every file's size and sha256, the checkpoint format version and the gl
 of a file ``X.ckpt`` is ``X.ckpt.manifest.json`` next to it; a folder carries its own ``manifest.json``.
 
 Writing never leaves a half-written checkpoint under its final name: data goes to a hidden
-``.X.partial`` sibling, is flushed and fsynced, then renamed over ``X`` (an atomic step on POSIX file
-systems) and the folder entry fsynced; the manifest follows the same way. A kill at any moment leaves
-either the previous checkpoint or the new one, and at worst a stale ``.partial`` that the next save
-removes.
+``.X.partial`` sibling, is flushed and fsynced, the manifest likewise, and only then are both renamed
+into place (an atomic step on POSIX file systems, and one that needs no space) and the folder entry
+fsynced. A kill at any moment leaves either the previous checkpoint or the new one, and at worst a stale
+``.partial`` that the next save removes; a write that fails (a full disk, a read-only one) removes its
+partial files and leaves the previous checkpoint as it was, and is raised as one ``WriteFailedError``.
 
 Loading never unpickles code of the file's choosing: ``read_checkpoint`` verifies the file, then
 ``torch.load(weights_only=True)`` accepts tensors, plain containers and the few plain-value types in
@@ -46,7 +47,13 @@ from lightning_train.checkpoint.manifest import (  # noqa: F401  (the protocol's
     launch_ids,
     new_manifest,
 )
-from lightning_train.errors import CorruptCheckpointError, UserInputError
+from lightning_train.errors import (
+    CorruptCheckpointError,
+    UserInputError,
+    WriteFailedError,
+    os_error_of,
+    write_failed,
+)
 from lightning_train.models.gpt import GPTConfig
 from lightning_train.models.lora import LoRAConfig
 from lightning_train.storage import HashingWriter, is_file, is_remote, join
@@ -70,18 +77,15 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
-def build_manifest(checkpoint: Path, global_step: int | None, epoch: int | None,
-                   digests: dict[str, str] | None = None) -> dict[str, Any]:
-    """The manifest of a finished checkpoint; ``digests`` (name -> sha256) skips re-reading files whose
-    hash was computed while writing them."""
-    digests = digests or {}
+def build_manifest(checkpoint: Path, global_step: int | None, epoch: int | None) -> dict[str, Any]:
+    """The manifest of a finished checkpoint folder (or file): every file's size and sha256."""
     if checkpoint.is_dir():
         files = sorted(p for p in checkpoint.rglob("*") if p.is_file() and p.name != FOLDER_MANIFEST)
         names = {p: p.relative_to(checkpoint).as_posix() for p in files}
     else:
         names = {checkpoint: checkpoint.name}
     return new_manifest(global_step, epoch, {
-        name: {"size": path.stat().st_size, "sha256": digests.get(name) or sha256_file(path)}
+        name: {"size": path.stat().st_size, "sha256": sha256_file(path)}
         for path, name in names.items()
     })
 
@@ -287,23 +291,75 @@ def _commit(tmp: Path, final: Path) -> None:
     _fsync_dir(final.parent)
 
 
-def atomic_write_bytes(path: Path, write: Callable[[IO[bytes]], None]) -> str:
-    """Run ``write(f)`` into a temporary sibling, fsync, rename into place; returns the content's sha256."""
+def write_partial(path: Path, write: Callable[[IO[bytes]], None]) -> str:
+    """Run ``write(f)`` into ``path``'s hidden ``.partial`` sibling and fsync it; returns the content's
+    sha256. A write that fails (a full disk) removes the partial file: it would keep the disk full."""
     tmp = partial_path(path)
     digest = hashlib.sha256()
-    with tmp.open("wb") as f:
-        write(HashingWriter(f, digest))
-        f.flush()
-        os.fsync(f.fileno())
-    _commit(tmp, path)
+    try:
+        with tmp.open("wb") as f:
+            write(HashingWriter(f, digest))
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     return digest.hexdigest()
 
 
-def write_manifest(checkpoint: Path, global_step: int | None, epoch: int | None,
-                   digests: dict[str, str] | None = None) -> None:
-    manifest = build_manifest(checkpoint, global_step, epoch, digests)
+def atomic_write_bytes(path: Path, write: Callable[[IO[bytes]], None]) -> str:
+    """Run ``write(f)`` into a temporary sibling, fsync, rename into place; returns the content's sha256."""
+    digest = write_partial(path, write)
+    _commit(partial_path(path), path)
+    return digest
+
+
+def write_checkpoint_file(path: Path, write: Callable[[IO[bytes]], None], global_step: int | None,
+                          epoch: int | None) -> None:
+    """Write the checkpoint file ``path`` and its manifest, both in full before either is renamed into
+    place: renames need no space, so a write that fails (a full disk) leaves the previous checkpoint of
+    that name (``last.ckpt``) and its manifest as they were, and no partial file."""
+    digest = write_partial(path, write)
+    try:
+        manifest = new_manifest(global_step, epoch, {
+            path.name: {"size": partial_path(path).stat().st_size, "sha256": digest}})
+        data = json.dumps(manifest, indent=1).encode()
+        write_partial(manifest_path(path), lambda f: f.write(data))
+    except BaseException:
+        partial_path(path).unlink(missing_ok=True)
+        raise
+    _commit(partial_path(path), path)
+    _commit(partial_path(manifest_path(path)), manifest_path(path))
+
+
+def write_manifest(checkpoint: Path, global_step: int | None, epoch: int | None) -> None:
+    manifest = build_manifest(checkpoint, global_step, epoch)
     data = json.dumps(manifest, indent=1).encode()
     atomic_write_bytes(manifest_path(checkpoint), lambda f: f.write(data))
+
+
+def checkpoint_write_failed(path: Path, error: BaseException, checkpoint: Any) -> WriteFailedError | None:
+    """When writing the checkpoint ``path`` (holding ``checkpoint``) failed with ``error`` because the file
+    system refused it, the one ``WriteFailedError`` to raise instead, naming the path, the bytes the
+    tensors alone need, and what to do; None for other errors."""
+    failures = getattr(error, "failures", None)  # DCP's CheckpointException: {rank: (error, traceback)}
+    if isinstance(failures, dict) and failures:
+        error = next(iter(failures.values()))[0]
+    if os_error_of(error) is None:
+        return None
+    fix = ("the checkpoints written before it are untouched; free space there (or move the run to another "
+           "disk with --trainer.default_root_dir) and continue the run with --resume auto")
+    return write_failed(path, error, fix, needed=_tensor_bytes(checkpoint))
+
+
+def _tensor_bytes(value: Any) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, dict):
+        return sum(_tensor_bytes(item) for item in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(_tensor_bytes(item) for item in value)
+    return 0
 
 
 @contextmanager

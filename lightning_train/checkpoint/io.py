@@ -25,13 +25,13 @@ from lightning_train.checkpoint.format import (
     FORMAT_VERSION,
     MANIFEST_SUFFIX,
     PARTIAL_SUFFIX,
-    atomic_write_bytes,
     check_format_version,
+    checkpoint_write_failed,
     is_sharded_checkpoint,
     read_checkpoint,
     sharded_folder_error,
     verify_checkpoint,
-    write_manifest,
+    write_checkpoint_file,
 )
 from lightning_train.errors import UserInputError
 
@@ -115,8 +115,14 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         remote.write_manifest(url, step, epoch, files, folder=False)  # the commit point
 
     def _write(self, checkpoint: dict[str, Any], path: Path) -> None:
-        digest = atomic_write_bytes(path, lambda f: self._serialize(checkpoint, f))
-        write_manifest(path, checkpoint.get("global_step"), checkpoint.get("epoch"), {path.name: digest})
+        step, epoch = checkpoint.get("global_step"), checkpoint.get("epoch")
+        try:
+            write_checkpoint_file(path, lambda f: self._serialize(checkpoint, f), step, epoch)
+        except Exception as error:
+            failed = checkpoint_write_failed(path, error, checkpoint)
+            if failed is None:
+                raise
+            raise failed from error
 
     def _serialize(self, checkpoint: dict[str, Any], file: IO[bytes]) -> None:
         torch.save(checkpoint, file)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import io
 import pickle
+import shutil
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,7 @@ from lightning_train._compat import METADATA_FILENAME, TORCH_LAYOUT_GLOBAL
 from lightning_train.checkpoint.background import BackgroundWriter
 from lightning_train.checkpoint.format import (
     begin_checkpoint_dir,
+    checkpoint_write_failed,
     commit_checkpoint_dir,
     is_sharded_checkpoint,
     load_torch_file,
@@ -254,19 +256,33 @@ def save_sharded_checkpoint(
     if is_writer:
         torch.save(checkpoint, staging / METADATA_FILENAME)
     if writer is None:
-        save(state, checkpoint_id=str(staging))  # collective: returns when every rank's shard is written
-        if is_writer:
-            commit_checkpoint_dir(staging, path, step, epoch)
+        # collective: returns when every rank's shard is written (or raises on every rank)
+        _save_and_commit(save, state, staging, path, is_writer, step, epoch, None)
         barrier()
         return
 
     def write(staged: dict[str, Any]) -> None:
-        # DCP's coordinator (rank 0) returns once every rank's shard and the .metadata are written
-        save(staged, checkpoint_id=str(staging), process_group=process_group)
-        if is_writer:
-            commit_checkpoint_dir(staging, path, step, epoch)
+        _save_and_commit(save, staged, staging, path, is_writer, step, epoch, process_group)
 
     writer.submit(step, state, write)
+
+
+def _save_and_commit(save: Callable[..., Any], state: dict[str, Any], staging: Path, path: Path,
+                     is_writer: bool, step: int | None, epoch: int | None, process_group: Any) -> None:
+    """DCP's save into ``staging``, then (on the writer) the commit; a failed write (a full disk) removes
+    the staging folder and leaves the previous checkpoint at ``path`` as it was."""
+    try:
+        # DCP's coordinator (rank 0) returns once every rank's shard and the .metadata are written
+        save(state, checkpoint_id=str(staging), process_group=process_group)
+        if is_writer:
+            commit_checkpoint_dir(staging, path, step, epoch)
+    except Exception as error:
+        if is_writer:
+            shutil.rmtree(staging, ignore_errors=True)
+        failed = checkpoint_write_failed(path, error, state)
+        if failed is None:
+            raise
+        raise failed from error
 
 
 def load_sharded_checkpoint(

@@ -24,6 +24,7 @@ from lightning_train.cli._failure import (
     clear_progress_bars,
     peer_failure_code,
     print_error_line,
+    reported_cause,
 )
 from lightning_train.cli._parsers import PROG, SUBCOMMANDS, TOOLS, top_level_help
 from lightning_train.errors import TrainingAborted, UserInputError
@@ -89,7 +90,7 @@ def _main(argv: list[str] | None) -> None:
             plain_package_warnings()  # after Lightning's import, which installs a warning format of its own
             LightningTrainCLI(args=argv)  # None: LightningCLI reads sys.argv itself
     except Exception as error:
-        cause = _reported_cause(error)
+        cause = reported_cause(error)
         if cause is None:
             peer_code = peer_failure_code()
             if peer_code is None:
@@ -100,18 +101,3 @@ def _main(argv: list[str] | None) -> None:
         if claim_report(code):  # one line per failure, not one per rank that found it
             print_error_line(str(cause))
         sys.exit(code)
-
-
-def _reported_cause(error: BaseException) -> UserInputError | TrainingAborted | None:
-    """The bad input (or NaNRecovery's abort) behind ``error``: the error itself, or one it happened
-    during. Lightning's teardown after a failure can raise errors of its own (e.g. "Please call
-    `iter(combined_loader)` first." when the data position could not be restored), which must not
-    hide the reason the run stopped."""
-    seen: set[int] = set()
-    current: BaseException | None = error
-    while current is not None and id(current) not in seen:
-        if isinstance(current, (UserInputError, TrainingAborted)):
-            return current
-        seen.add(id(current))
-        current = current.__cause__ or current.__context__
-    return None

@@ -15,6 +15,7 @@ import sys
 from typing import Any
 
 from lightning_train._compat import process_group_store
+from lightning_train.errors import TrainingAborted, UserInputError
 
 _REPORTED_KEY = "lightning_train/failure_reported"
 _CODE_KEY = "lightning_train/failure_exit_code"
@@ -88,3 +89,18 @@ def _global_rank() -> int:
 def _store() -> Any | None:
     """The process group's store; torch is only asked when it is loaded (only a run loads it)."""
     return process_group_store() if "torch" in sys.modules else None
+
+
+def reported_cause(error: BaseException) -> UserInputError | TrainingAborted | None:
+    """The bad input (or NaNRecovery's abort) behind ``error``: the error itself, or one it happened
+    during. Lightning's teardown after a failure can raise errors of its own (e.g. "Please call
+    `iter(combined_loader)` first." when the data position could not be restored), which must not
+    hide the reason the run stopped."""
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        if isinstance(current, (UserInputError, TrainingAborted)):
+            return current
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return None

@@ -78,7 +78,9 @@ class LiveRecord:
         folder.mkdir(parents=True, exist_ok=True)
         fd = os.open(folder / LIVE_FILE, os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            os.ftruncate(fd, _LIVE.size)
+            # written, not only sized: the page is then allocated, and a full disk is an OSError here
+            # rather than a SIGBUS at the map's first write
+            os.pwrite(fd, bytes(_LIVE.size), 0)
             self._map = mmap.mmap(fd, _LIVE.size)
         finally:
             os.close(fd)  # the map keeps the file
@@ -160,7 +162,11 @@ def write_goodput(folder: Path, run_id: int, launches: list[Record]) -> None:
     content = {"run_id": f"{run_id:016x}", **total(launches), "launches": launches}
     folder.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(f".{GOODPUT_FILE}.partial")
-    partial.write_text(json.dumps(content, indent=2) + "\n")
+    try:
+        partial.write_text(json.dumps(content, indent=2) + "\n")
+    except OSError:
+        partial.unlink(missing_ok=True)  # a full disk: no half-written leftover
+        raise
     os.replace(partial, path)
 
 
