@@ -126,6 +126,14 @@ def write_failed(
     return WriteFailedError(f"cannot write {path}: {why}; {fix}")
 
 
+def remedy(error: BaseException) -> str:
+    """What to do first about a refused write: free space (out of space or quota), else make the place
+    writable."""
+    os_error = os_error_of(error)
+    full = os_error is not None and os_error.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+    return "free space there" if full else "make it writable"
+
+
 def refused_write_of(error: BaseException | None) -> OSError | None:
     """The ``OSError`` behind ``error`` when only a write can have raised it (out of space or quota, a
     read-only file system, a file over the size limit), else None."""

@@ -56,6 +56,7 @@ def test_a_disk_that_fails_mid_run_ends_it_in_one_line_and_loses_nothing(
         assert errors[0].endswith("and continue the run with --resume auto")
         if case.startswith("full") and case != "full-metrics":
             assert "bytes free there; it needs" in errors[0]
+        assert ("; make it writable (or" if how == "read_only" else "; free space there (or") in errors[0]
         assert files_named(disk, "*.partial") == []  # nothing half-written keeps the disk full
 
         newest = find_resume_checkpoint(run / "checkpoints")  # verified against its manifest

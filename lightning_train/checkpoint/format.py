@@ -52,6 +52,7 @@ from lightning_train.errors import (
     UserInputError,
     WriteFailedError,
     os_error_of,
+    remedy,
     write_failed,
 )
 from lightning_train.models.gpt import GPTConfig
@@ -319,17 +320,18 @@ def write_checkpoint_file(path: Path, write: Callable[[IO[bytes]], None], global
     """Write the checkpoint file ``path`` and its manifest, both in full before either is renamed into
     place: renames need no space, so a write that fails (a full disk) leaves the previous checkpoint of
     that name (``last.ckpt``) and its manifest as they were, and no partial file."""
+    manifest_file = path.with_name(path.name + MANIFEST_SUFFIX)  # a file's, even over a folder checkpoint
     digest = write_partial(path, write)
     try:
         manifest = new_manifest(global_step, epoch, {
             path.name: {"size": partial_path(path).stat().st_size, "sha256": digest}})
         data = json.dumps(manifest, indent=1).encode()
-        write_partial(manifest_path(path), lambda f: f.write(data))
+        write_partial(manifest_file, lambda f: f.write(data))
     except BaseException:
         partial_path(path).unlink(missing_ok=True)
         raise
     _commit(partial_path(path), path)
-    _commit(partial_path(manifest_path(path)), manifest_path(path))
+    _commit(partial_path(manifest_file), manifest_file)
 
 
 def write_manifest(checkpoint: Path, global_step: int | None, epoch: int | None) -> None:
@@ -347,7 +349,7 @@ def checkpoint_write_failed(path: Path, error: BaseException, checkpoint: Any) -
         error = next(iter(failures.values()))[0]
     if os_error_of(error) is None:
         return None
-    fix = ("the checkpoints written before it are untouched; free space there (or move the run to another "
+    fix = (f"the checkpoints written before it are untouched; {remedy(error)} (or move the run to another "
            "disk with --trainer.default_root_dir) and continue the run with --resume auto")
     return write_failed(path, error, fix, needed=_tensor_bytes(checkpoint))
 

@@ -60,7 +60,7 @@ from lightning_train.cli.run_folder import (
 )
 from lightning_train.data.sft import SFTDataModule  # noqa: F401  (--data SFTDataModule finds imported ones)
 from lightning_train.data.text import TextDataModule  # noqa: F401
-from lightning_train.errors import UserInputError, refused_write_of, write_failed
+from lightning_train.errors import UserInputError, refused_write_of, remedy, write_failed
 from lightning_train.modules import FinetuneModule, PretrainModule  # noqa: F401  (--model PretrainModule)
 from lightning_train.plugins.precision import amp_for_precision_flag
 from lightning_train.storage import check_access, is_remote, join
@@ -288,7 +288,7 @@ def _write_failure(error: BaseException, trainer: Trainer, subcommand: str | Non
     refused = refused_write_of(error)
     if refused is None or reported_cause(error) is not None:
         return None
-    fix = "free space there (or move the run to another disk with --trainer.default_root_dir)"
+    fix = f"{remedy(refused)} (or move the run to another disk with --trainer.default_root_dir)"
     fix += " and continue the run with --resume auto" if subcommand == "fit" else " and run it again"
     return write_failed(refused.filename or trainer.log_dir or trainer.default_root_dir, refused, fix)
 
