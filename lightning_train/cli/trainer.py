@@ -47,7 +47,7 @@ from lightning_train.checkpoint import (
     resolve_resume,
 )
 from lightning_train.checkpoint.format import safe_globals
-from lightning_train.cli._failure import reported_cause
+from lightning_train.cli._failure import first_process_of_node, reported_cause
 from lightning_train.cli._parsers import PROG, SUBCOMMANDS, ParserConventions
 from lightning_train.cli.checks import check_trainer_arguments
 from lightning_train.cli.elastic import restart_resume, torchrun_layout
@@ -58,6 +58,7 @@ from lightning_train.cli.run_folder import (
     remove_empty_launch,
     run_folder,
 )
+from lightning_train.cli.run_lock import RunLock
 from lightning_train.data.sft import SFTDataModule  # noqa: F401  (--data SFTDataModule finds imported ones)
 from lightning_train.data.text import TextDataModule  # noqa: F401
 from lightning_train.errors import UserInputError, refused_write_of, remedy, write_failed
@@ -105,6 +106,7 @@ class LightningTrainCLI(LightningCLI):
         kwargs.setdefault("parser_class", LightningParser)
         kwargs.setdefault("save_config_callback", SaveConfigWhenRunning)
         self.command = ["python", "-m", "lightning_train", *(sys.argv[1:] if args is None else args)]
+        self.run_lock: RunLock | None = None  # held by a fit's first process while it trains
         super().__init__(
             LightningModule, LightningDataModule, subclass_mode_model=True, subclass_mode_data=True,
             args=args, **kwargs,
@@ -178,6 +180,16 @@ class LightningTrainCLI(LightningCLI):
         config.trainer.default_root_dir = str(root)
 
     def before_fit(self) -> None:
+        if self.trainer.global_rank == 0 and first_process_of_node():  # the launch's first process
+            self.run_lock = RunLock(self.trainer.default_root_dir)  # the local logs' folder for s3:// runs
+            self.run_lock.acquire()
+        try:
+            self._before_fit()
+        except BaseException:
+            self._release_run_lock()
+            raise
+
+    def _before_fit(self) -> None:
         self._resolve_checkpoint()
         callbacks = self.trainer.callbacks
         if getattr(self.datamodule, "mixture", None) and not any(
@@ -278,7 +290,13 @@ class LightningTrainCLI(LightningCLI):
                 raise
             raise replacement from error
         finally:
+            self._release_run_lock()
             remove_empty_launch(self.trainer)  # a launch that failed before it ran leaves no empty folders
+
+    def _release_run_lock(self) -> None:
+        lock, self.run_lock = self.run_lock, None
+        if lock is not None:
+            lock.release()
 
 
 def _write_failure(error: BaseException, trainer: Trainer, subcommand: str | None) -> UserInputError | None:
