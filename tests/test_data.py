@@ -209,19 +209,24 @@ def test_prepare_bad_inputs(tmp_path: Path):
     ]  # no temp leftovers
 
 
-def test_prepare_refuses_to_overwrite(tmp_path: Path, corpus):
+def test_prepare_overwrites_only_a_dataset_it_wrote(tmp_path: Path, corpus):
     inputs, _ = corpus
     out = tmp_path / "data"
     out.mkdir()
     (out / "precious.txt").write_text("keep me")
-    with pytest.raises(UserInputError, match="overwrite=True") as err:
-        prepare(inputs, out)
-    assert str(out) in str(err.value)
+    for overwrite in (False, True):  # not a dataset: refused either way, and --overwrite is no fix
+        with pytest.raises(UserInputError, match="is not a dataset prepare wrote") as err:
+            prepare(inputs, out, overwrite=overwrite)
+        assert str(out) in str(err.value)
     assert [p.name for p in out.iterdir()] == ["precious.txt"] and (
         out / "precious.txt"
     ).read_text() == "keep me"
+    (out / "precious.txt").unlink()
+    prepare(inputs, out)
+    with pytest.raises(UserInputError, match="pass --overwrite true to replace it"):
+        prepare(inputs, out)  # a dataset: replaced only when asked
     prepare(inputs, out, overwrite=True)
-    assert not (out / "precious.txt").exists() and (out / "meta.json").is_file()
+    assert (out / "meta.json").is_file()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["data", "docs.jsonl", "texts"]
 
 

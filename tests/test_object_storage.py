@@ -184,6 +184,7 @@ def test_prepared_data_on_s3_is_committed_by_meta_json(s3_env: S3Server, tmp_pat
     assert "data/tokens/meta.json" in keys and any(key.endswith(".bin") for key in keys), keys
     with pytest.raises(UserInputError, match="already exists and is not empty"):
         prepare([str(docs)], "s3://runs/data/tokens", num_workers=0)
+    prepare([str(docs)], "s3://runs/data/tokens", num_workers=0, val_fraction=0.2, overwrite=True)  # ours
 
     data = TextDataModule(data_dir="s3://runs/data/tokens", seq_len=16, batch_size=4)
     data.setup("fit")
@@ -193,6 +194,10 @@ def test_prepared_data_on_s3_is_committed_by_meta_json(s3_env: S3Server, tmp_pat
     s3_env.client().delete_object(Bucket="runs", Key="data/tokens/meta.json")
     with pytest.raises(UserInputError, match="has no meta.json"):
         TextDataModule(data_dir="s3://runs/data/tokens", seq_len=16, batch_size=4).setup("fit")
+    # nor something --overwrite replaces: the prefix may hold anyone's objects
+    with pytest.raises(UserInputError, match="is not a dataset prepare wrote"):
+        prepare([str(docs)], "s3://runs/data/tokens", num_workers=0, overwrite=True)
+    assert s3_env.keys("runs", "data/tokens/") == [key for key in keys if not key.endswith("meta.json")]
 
 
 # ---- the CLI, in real processes -----------------------------------------------------------------------

@@ -125,5 +125,6 @@ def train_bpe(texts: Iterable[str], vocab_size: int, path: str | Path) -> Path:
     merged = [token for token, _ in learnt if token not in alphabet]
     merges = [tuple(pair) for pair in json.loads(learner.to_str())["model"]["merges"]]  # pairs, in rank order
     path = Path(path)
-    byte_level_bpe(merged, merges).save(str(path))
+    # written by Python, not by the tokenizers library: a full disk is then an OSError with its errno
+    path.write_text(byte_level_bpe(merged, merges).to_str(pretty=True), encoding="utf-8")
     return path

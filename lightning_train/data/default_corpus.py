@@ -12,7 +12,7 @@ from pathlib import Path
 
 from lightning_train.data.shards import FORMAT_VERSION, prepare
 from lightning_train.data.sources import stdlib_sources
-from lightning_train.errors import UserInputError
+from lightning_train.errors import UserInputError, WriteFailedError, write_failed
 
 
 def cache_dir() -> Path:
@@ -43,12 +43,10 @@ def default_corpus_dir() -> Path:
         # In-process: encoding bytes is cheaper than shipping the text to worker processes.
         sources = [str(path) for path in stdlib_sources()]
         return prepare(sources, str(out), tokenizer="byte", num_workers=0).output_dir
+    except WriteFailedError as err:  # a full or read-only cache, or a file in its place
+        fix = "set LIGHTNING_TRAIN_CACHE to a writable folder with room for the default corpus"
+        raise write_failed(out, err, fix) from err
     except UserInputError:
         if (out / "meta.json").is_file():  # another process won the race
             return out
         raise
-    except OSError as err:
-        raise UserInputError(
-            f"cannot build the default corpus in {str(out.parent)!r} ({err}); "
-            "set LIGHTNING_TRAIN_CACHE to a writable folder"
-        ) from err

@@ -13,26 +13,30 @@ from __future__ import annotations
 import hashlib
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import lightning_train.storage as storage
 from lightning_train.errors import UserInputError
+from lightning_train.output_folder import check_filled
 
 META = "meta.json"
 
 
-def check_output(url: str, overwrite: bool) -> None:
-    """Refuse to prepare into a prefix that holds objects, unless ``overwrite`` (checked before any work)."""
+def check_output(url: str, overwrite: bool, is_dataset: Callable[[bytes], bool]) -> None:
+    """Refuse to prepare into a prefix that holds objects, unless it holds a dataset (``is_dataset``
+    of its ``meta.json``: one ``prepare`` wrote) and ``overwrite``; checked before any work."""
     storage.check_access(url)
-    if storage.list_names(url) and not overwrite:
-        raise UserInputError(
-            f"output_dir {url!r} already exists and is not empty; pass overwrite=True (--overwrite true) "
-            "to replace it"
-        )
+    if not storage.list_names(url):
+        return
+    meta = storage.join(url, META)
+    holds_dataset = storage.is_file(meta) and is_dataset(storage.read_bytes(meta))
+    check_filled(url, "output_dir", holds_dataset, overwrite, "a dataset prepare wrote")
 
 
 def publish(local: Path, url: str, overwrite: bool) -> None:
-    """Upload the finished dataset folder ``local`` to ``url``, ``meta.json`` last (its commit point)."""
+    """Upload the finished dataset folder ``local`` to ``url``, ``meta.json`` last (its commit point);
+    ``overwrite``: the dataset there (``check_output`` found one) goes first."""
     if overwrite:
         storage.remove(storage.join(url, META))  # the old dataset is gone before any of its shards changes
         storage.remove(url)

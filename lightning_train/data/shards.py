@@ -18,11 +18,10 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
-import shutil
-import tempfile
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator
+from contextlib import suppress
 from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
@@ -36,6 +35,7 @@ from lightning_train.data.bpe import TOKENIZER_FILE, check_tokenizer_choice, tra
 from lightning_train.data.sources import Piece, collect_files, iter_pieces, stdlib_sources
 from lightning_train.data.tokenizers import Tokenizer, load_tokenizer
 from lightning_train.errors import UserInputError
+from lightning_train.output_folder import check_apart, check_replaceable, publish, staged
 from lightning_train.storage import is_remote, name, scratch_dir
 
 FORMAT_VERSION = 1
@@ -111,14 +111,16 @@ def prepare(
     Args:
         inputs: text files, folders (text-like files inside, recursively, sorted) and ``.jsonl`` files;
             None (left out): the default corpus, this Python's standard-library sources.
-        output_dir: the dataset folder to create (required); written elsewhere first and renamed into
-            place at the end.
+        output_dir: the dataset folder to create (required): not an input, nor a folder that holds
+            one or lies inside one; written in a hidden sibling folder first and renamed into place at
+            the end, so a failed ``prepare`` (a full disk among the causes) leaves nothing behind.
         tokenizer: ``"byte"`` or the path of a Hugging Face ``tokenizer.json`` (see ``load_tokenizer``).
         val_fraction: share of tokens held out for validation, in [0, 1).
         jsonl_field: the field of each JSONL record that holds the document text.
         num_workers: tokenizer processes; ``None`` uses every available core, 0 or 1 tokenizes in-process.
         shard_tokens: tokens per shard file.
-        overwrite: replace an existing non-empty ``output_dir`` instead of refusing.
+        overwrite: replace the dataset an earlier ``prepare`` wrote in ``output_dir`` (a folder with
+            its ``meta.json``) instead of refusing; any other non-empty folder, or a file, is refused.
         train_tokenizer: ``"bpe"``: instead of ``tokenizer``, train a byte-level BPE of ``vocab_size``
             tokens on the inputs first (``data/bpe.py``), saved as ``tokenizer.json`` in ``output_dir``.
         vocab_size: the trained tokenizer's vocabulary (at least 258: the bytes, <|endoftext|>, <|pad|>).
@@ -170,14 +172,14 @@ def prepare(
     started = time.perf_counter()
     remote = str(output_dir) if is_remote(output_dir) else None
     if remote is not None:  # built on local disk, then uploaded with meta.json last (data/object_storage.py)
-        object_storage.check_output(remote, overwrite)
+        object_storage.check_output(remote, overwrite, is_dataset_meta)
         output_dir = str(scratch_dir("prepare") / name(remote))
     out = Path(output_dir).expanduser().resolve()
-    if out.exists() and not overwrite and (not out.is_dir() or any(out.iterdir())):
-        raise UserInputError(
-            f"output_dir {str(out)!r} already exists and is not empty; "
-            "pass overwrite=True (--overwrite true) to replace it"
-        )
+    # The output is replaced whole at the end: an input (the tokenizer among them) in it would go too.
+    used = [*inputs, *([tokenizer] if tokenizer != "byte" and not train_tokenizer else [])]
+    check_apart(out, "output_dir", [(f"the input {path}", path) for path in used],
+                "choose an output_dir outside the inputs")
+    replace = check_replaceable(out, "output_dir", overwrite, "a dataset prepare wrote", _holds_dataset)
     tok = None if train_tokenizer else load_tokenizer(tokenizer)
     files = collect_files(inputs)
     if not files:
@@ -185,11 +187,11 @@ def prepare(
             f"inputs {[str(i) for i in inputs]} contain no text files; pass text/JSONL files"
         )
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    # A sibling folder: same filesystem, so the final rename is atomic.
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    tmp.chmod(0o755)  # mkdtemp makes it private; the dataset should be as readable as a normal folder
-    try:
+    if remote is None:
+        fix = "choose an output_dir this user can create, on a disk with room for the dataset"
+    else:
+        fix = "set LIGHTNING_TRAIN_SCRATCH to a writable folder with room for the dataset (built there first)"
+    with staged(out, fix) as tmp:
         spec = tok.name if tok else TOKENIZER_FILE  # the trained one relative to the folder, which may move
         if train_tokenizer:
             pieces = _with_bar(iter_pieces(files, jsonl_field), files, f"training {train_tokenizer}")
@@ -200,11 +202,9 @@ def prepare(
                 f"inputs {[str(i) for i in inputs]} contain no text (0 tokens); pass non-empty files"
             )
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
-        _publish(tmp, out, overwrite)
-        if remote is not None:
-            object_storage.publish(out, remote, overwrite)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)  # only exists here after a failure
+        publish(tmp, out, replace)
+    if remote is not None:
+        object_storage.publish(out, remote, overwrite)
     split_tokens = {split: sum(s["num_tokens"] for s in meta["shards"] if s["split"] == split)
                     for split in SPLITS}
     return PreparedDataset(
@@ -244,20 +244,25 @@ def _write_shards(
         TextColumn("{task.fields[tokens]:,} tokens"),
         TimeRemainingColumn(),
     )
-    with Progress(*columns) as progress:
-        total_bytes = sum(f.stat().st_size for f in files)
-        task = progress.add_task("", total=total_bytes, tokens=0)
-        for piece, tokens in _encode_in_order(iter_pieces(files, jsonl_field), tok, num_workers):
-            total_tokens += len(tokens)
-            split = "val" if val_tokens + len(tokens) / 2 < val_fraction * total_tokens else "train"
-            if split == "val":
-                val_tokens += len(tokens)
-            writers[split].write_piece(tokens, piece)
-            written = sum(writer.num_tokens for writer in writers.values())  # with the split's eos marks
-            progress.update(task, advance=piece.nbytes, tokens=written)
-        shards = [shard for writer in writers.values() for shard in writer.close()]
-        written = sum(shard["num_tokens"] for shard in shards)
-        progress.update(task, completed=total_bytes, tokens=written)  # + skipped blank lines, last eos
+    try:
+        with Progress(*columns) as progress:
+            total_bytes = sum(f.stat().st_size for f in files)
+            task = progress.add_task("", total=total_bytes, tokens=0)
+            for piece, tokens in _encode_in_order(iter_pieces(files, jsonl_field), tok, num_workers):
+                total_tokens += len(tokens)
+                split = "val" if val_tokens + len(tokens) / 2 < val_fraction * total_tokens else "train"
+                if split == "val":
+                    val_tokens += len(tokens)
+                writers[split].write_piece(tokens, piece)
+                written = sum(writer.num_tokens for writer in writers.values())  # with the split's eos marks
+                progress.update(task, advance=piece.nbytes, tokens=written)
+            shards = [shard for writer in writers.values() for shard in writer.close()]
+            written = sum(shard["num_tokens"] for shard in shards)
+            progress.update(task, completed=total_bytes, tokens=written)  # + skipped blank lines, last eos
+    except BaseException:
+        for writer in writers.values():
+            writer.discard()
+        raise
     return {
         "format_version": FORMAT_VERSION,
         "tokenizer": spec,
@@ -322,6 +327,15 @@ class _ShardWriter:
             self._file = None
         return self.shards
 
+    def discard(self) -> None:
+        """Close the open shard after a failure, before its folder is removed: an open file keeps its
+        blocks (the error would report no space freed) and flushes when collected. Closing flushes,
+        which fails again on a full disk; the file is closed all the same."""
+        if self._file is not None:
+            with suppress(OSError):
+                self._file.close()
+            self._file = None
+
 
 _worker_tokenizer: Tokenizer | None = None  # one per pool worker, built by _init_worker
 
@@ -365,21 +379,21 @@ def _encode_in_order(
             yield from zip(done, result.get(), strict=True)
 
 
-def _publish(tmp: Path, out: Path, overwrite: bool) -> None:
-    """Move the finished dataset into place with one rename, so readers never see a half-written one."""
-    if overwrite and out.exists():
-        old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-        out.rename(old / out.name)
-        tmp.rename(out)
-        shutil.rmtree(old)
-        return
+def is_dataset_meta(data: bytes) -> bool:
+    """Whether ``data`` is a ``meta.json`` that ``prepare`` wrote (it has a format version and a shard
+    list): the folder or prefix holding it is a dataset that ``--overwrite`` may replace."""
     try:
-        tmp.rename(out)  # fails if another process filled out meanwhile
-    except OSError as err:
-        raise UserInputError(
-            f"output_dir {str(out)!r} was created by another process meanwhile; "
-            "pass overwrite=True (--overwrite true) to replace it"
-        ) from err
+        meta = json.loads(data)
+    except ValueError:
+        return False
+    return isinstance(meta, dict) and {"format_version", "shards"} <= meta.keys()
+
+
+def _holds_dataset(folder: Path) -> bool:
+    try:
+        return is_dataset_meta((folder / "meta.json").read_bytes())
+    except OSError:
+        return False
 
 
 def read_meta(data_dir: str | Path) -> dict[str, Any]:
