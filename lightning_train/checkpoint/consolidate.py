@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import lightning_train.storage as storage
 from lightning_train.errors import UserInputError
+from lightning_train.output_folder import check_apart, check_replaceable, publish, staged
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
@@ -30,7 +31,10 @@ def export(
 
     Args:
         checkpoint: the checkpoint file or folder.
-        output: the folder to write (created; refused when it is not empty, unless ``overwrite``).
+        output: the folder to write: created, or an empty folder, or an earlier export's folder with
+            ``overwrite``; never a file, the checkpoint's folder or one around it. Written in a hidden
+            sibling folder first, so a failed write (a full disk among the causes) leaves no file of
+            it and an earlier export as it was.
         format: ``hf``: a Hugging Face folder that ``transformers.AutoModelForCausalLM`` and
             ``AutoTokenizer`` load with no custom code (``LlamaForCausalLM`` for the Llama-style block,
             ``GPT2LMHeadModel`` for the GPT-2 block: config.json, model.safetensors, generation_config.json,
@@ -41,7 +45,9 @@ def export(
             adapters, unmerged, as a peft adapter folder (adapter_config.json,
             adapter_model.safetensors) for the ``hf`` export of the model it started from:
             ``PeftModel.from_pretrained(base, output)``.
-        overwrite: replace the files of an earlier export in ``output``.
+        overwrite: replace the files of an earlier export in ``output`` (one whose safetensors header
+            ``export`` marked: ``model_folder.EXPORT_MARK``), keeping the folder's other files; a
+            folder that no export wrote, such as a model downloaded from the Hub, is refused.
         max_shard_size: above it the weights are split into ``model-0000i-of-0000n.safetensors`` with
             a ``model.safetensors.index.json`` (``hf`` only), e.g. ``5GB``, ``500MB`` or a byte count.
         base_model: (``peft`` only) the base model's folder or hub id, recorded as the adapter's
@@ -49,32 +55,27 @@ def export(
     """
     # here, not at the top: `export --help` and `consolidate --help` answer without importing torch
     import lightning_train.checkpoint.remote as remote
-    from lightning_train.checkpoint.model_folder import (
-        CONFIG_FILE,
-        MODEL_FILE,
-        save_hf,
-        save_peft_adapter,
-        save_safetensors,
-        save_tokenizer,
-    )
+    from lightning_train.checkpoint.model_folder import written_by_export
     from lightning_train.checkpoint.pretrained import open_pretrained
     from lightning_train.models.hf import hf_config
 
+    target = Path(output)
     if storage.is_remote(checkpoint):  # s3://: downloaded once and verified (open_pretrained reuses it)
         storage.check_access(checkpoint)
-        source = remote.local_checkpoint(checkpoint)
+    elif not Path(checkpoint).exists():
+        raise UserInputError(
+            f"checkpoint {checkpoint} does not exist; pass a .ckpt file or a checkpoint folder"
+        )
     else:
-        source = Path(checkpoint)
-    target = Path(output)
-    if not source.exists():
-        raise UserInputError(f"checkpoint {source} does not exist; pass a .ckpt file or a checkpoint folder")
-    if target.resolve() == source.resolve():
-        raise UserInputError(f"--output {target} is the checkpoint being exported; choose another folder")
+        check_apart(target, "--output", [("the checkpoint being exported", checkpoint)],
+                    "choose another folder")
     if format not in ("hf", "safetensors", "peft"):
         raise UserInputError(f"--format {format!r} is not one of 'hf', 'safetensors', 'peft'")
     if base_model is not None and format != "peft":
         raise UserInputError("--base_model is recorded in peft adapters only; drop it or pass --format peft")
     shard_bytes = parse_size(max_shard_size)
+    earlier = check_replaceable(target, "--output", overwrite, "a folder export wrote", written_by_export)
+    source = remote.local_checkpoint(checkpoint) if storage.is_remote(checkpoint) else Path(checkpoint)
     pretrained = open_pretrained(source)
     if format != "safetensors":
         hf_config(pretrained.config)  # refuses a model with no HF equivalent before reading the weights
@@ -83,18 +84,15 @@ def export(
             f"--format peft: checkpoint {source} holds no LoRA adapters (it is not a fine-tune with "
             "model.lora); export the whole model with --format hf"
         )
-    _check_output(target, overwrite)
-    if format == "safetensors":
-        model = pretrained.build()
-        save_safetensors(model, target)
-        written = [target / MODEL_FILE, target / CONFIG_FILE]
-        if pretrained.tokenizer is not None:  # beside the weights, so the folder is usable on its own
-            written += save_tokenizer(pretrained.tokenizer, target, model.config.block_size)
-        return written
-    if format == "peft":
-        adapted = pretrained.build_adapted()
-        return save_peft_adapter(adapted, pretrained.config, pretrained.lora, target, base_model)
-    return save_hf(pretrained.build(), target, pretrained.tokenizer, shard_bytes)
+    model = pretrained.build_adapted() if format == "peft" else pretrained.build()
+    fix = "choose an --output this user can create, on a disk with room for the export"
+    with staged(target, fix, needed=_weight_bytes(model, format)) as tmp:
+        written = _write(model, pretrained, format, tmp, shard_bytes, base_model)
+        if earlier:
+            _replace_export(tmp, target)
+        else:
+            publish(tmp, target, replace=False)
+    return [target / path.name for path in written]
 
 
 def consolidate(checkpoint: str, output: str, overwrite: bool = False) -> Path:
@@ -104,8 +102,8 @@ def consolidate(checkpoint: str, output: str, overwrite: bool = False) -> Path:
 
     Args:
         checkpoint: the checkpoint folder or file.
-        output: folder to write into (created; refused when it is not empty, unless ``overwrite``).
-        overwrite: replace the files of an earlier export in ``output``.
+        output: the folder to write (as ``export``'s ``output``).
+        overwrite: replace the files of an earlier export in ``output``, keeping its other files.
 
     Example (from a ``.ckpt``; a sharded folder works the same):
 
@@ -136,20 +134,48 @@ def parse_size(size: str | int) -> int:
     return int(float(found.group(1)) * _UNITS[(found.group(2) or "").upper()])
 
 
-def _check_output(target: Path, overwrite: bool) -> None:
+# Any for the model and the Pretrained: their modules import torch, which `export --help` must not (the
+# parser reads this module's annotations)
+def _write(model: Any, pretrained: Any, format: str, folder: Path, shard_bytes: int,
+           base_model: str | None) -> list[Path]:
+    """Write the export of ``model`` (the ``Pretrained``'s) into ``folder``; returns its files."""
+    from lightning_train.checkpoint.model_folder import (
+        CONFIG_FILE,
+        MODEL_FILE,
+        save_hf,
+        save_peft_adapter,
+        save_safetensors,
+        save_tokenizer,
+    )
+
+    if format == "peft":
+        return save_peft_adapter(model, pretrained.config, pretrained.lora, folder, base_model)
+    if format == "hf":
+        return save_hf(model, folder, pretrained.tokenizer, shard_bytes)
+    save_safetensors(model, folder)
+    written = [folder / MODEL_FILE, folder / CONFIG_FILE]
+    if pretrained.tokenizer is not None:  # beside the weights, so the folder is usable on its own
+        written += save_tokenizer(pretrained.tokenizer, folder, model.config.block_size)
+    return written
+
+
+def _weight_bytes(model: Any, format: str) -> int:
+    """The bytes of the weights an export writes: the model's, or only its adapters' for ``peft``."""
+    from lightning_train.models.lora import adapters
+
+    tensors = ([tensor for pair in adapters(model).values() for tensor in pair] if format == "peft"
+               else list(model.state_dict().values()))
+    return sum(tensor.numel() * tensor.element_size() for tensor in tensors)
+
+
+def _replace_export(tmp: Path, target: Path) -> None:
+    """Move the new export's files from ``tmp`` into ``target``, an earlier export's folder, once that
+    export's files are gone (a stale shard or index would be loaded); the folder's other files, such as
+    a model card, stay."""
     from lightning_train.checkpoint.model_folder import EXPORT_FILES
 
-    if target.exists() and not target.is_dir():
-        raise UserInputError(f"--output {target} is a file; pass a folder")
-    if not target.is_dir() or not any(target.iterdir()):
-        return
-    if not overwrite:
-        raise UserInputError(
-            f"output folder {target} already exists and is not empty; choose another --output or pass "
-            "--overwrite true"
-        )
-    for path in target.iterdir():  # an earlier export's files only: a stale shard would be loaded
+    for path in target.iterdir():
         if path.is_file() and EXPORT_FILES.fullmatch(path.name):
             path.unlink()
-
-
+    for path in tmp.iterdir():
+        path.replace(target / path.name)

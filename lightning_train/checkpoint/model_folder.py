@@ -30,12 +30,17 @@ from lightning_train.errors import UserInputError
 from lightning_train.models.gpt import GPT, GPTConfig
 from lightning_train.models.hf import adapters_to_hf, hf_config, state_dict_to_hf
 from lightning_train.models.lora import LoRAConfig, adapters
+from lightning_train.output_folder import umask
 
 MODEL_FILE, CONFIG_FILE = "model.safetensors", "config.json"
 MODEL_TYPE = "gpt"  # the "model_type" of our config.json (HF folders name their own architecture)
 INDEX_FILE, GENERATION_FILE = "model.safetensors.index.json", "generation_config.json"
 TOKENIZER_FILE, TOKENIZER_CONFIG_FILE = "tokenizer.json", "tokenizer_config.json"
 ADAPTER_CONFIG_FILE, ADAPTER_FILE = "adapter_config.json", "adapter_model.safetensors"  # peft's names
+# In the header of every safetensors file written here: how `export --overwrite` tells an earlier export
+# from a user's own model folder. transformers and peft read only the header's "format".
+EXPORT_MARK = {"written_by": "lightning_train"}
+METADATA = {"format": "pt", **EXPORT_MARK}
 # Files an export may have written; --overwrite replaces these and leaves anything else in the folder.
 EXPORT_FILES = re.compile(
     r"(config|generation_config|tokenizer|tokenizer_config|special_tokens_map|adapter_config)\.json"
@@ -195,11 +200,33 @@ def _write_json(path: Path, values: dict[str, Any]) -> Path:
 
 
 def _write_safetensors(path: Path, weights: dict[str, torch.Tensor]) -> Path:
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
 
-    save_file(weights, str(path), metadata={"format": "pt"})
-    os.chmod(path, 0o666 & ~_umask())  # safetensors creates it 0600; readable like the json files
+    try:
+        save_file(weights, str(path), metadata=METADATA)
+    except SafetensorError as error:  # its writer reports an OSError as text: "... (os error 28)"
+        found = re.search(r"\(os error (\d+)\)", str(error))
+        if found is None:
+            raise
+        number = int(found.group(1))
+        raise OSError(number, os.strerror(number), str(path)) from error
+    _metadata_in_order(path)
+    os.chmod(path, 0o666 & ~umask())  # safetensors creates it 0600; readable like the json files
     return path
+
+
+def _metadata_in_order(path: Path) -> None:
+    """Put the header's metadata in ``METADATA``'s order, so that an export is the same bytes every time:
+    safetensors writes it in hash order, which changes from one write to the next. The same keys in
+    another order have the same length, so the header is rewritten in place."""
+    ordered = json.dumps(METADATA, separators=(",", ":")).encode()
+    swapped = json.dumps(dict(reversed(METADATA.items())), separators=(",", ":")).encode()
+    with open(path, "r+b") as file:
+        header = file.read(int.from_bytes(file.read(8), "little"))  # after its 8-byte length
+        if swapped in header:
+            file.seek(8)
+            file.write(header.replace(swapped, ordered, 1))
 
 
 # ---- our own format -------------------------------------------------------------------------------------
@@ -213,12 +240,6 @@ def save_safetensors(model: GPT, output_dir: str | Path) -> Path:
     _write_safetensors(output_dir / MODEL_FILE, state_dict)
     _write_json(output_dir / CONFIG_FILE, {"model_type": MODEL_TYPE, **dataclasses.asdict(model.config)})
     return output_dir
-
-
-def _umask() -> int:
-    mask = os.umask(0)  # reading the umask means setting it: put it straight back
-    os.umask(mask)
-    return mask
 
 
 def read_gpt_config(path: str | Path) -> GPTConfig:
@@ -253,3 +274,19 @@ def is_our_export(folder: Path) -> bool:
         return False
     is_ours = isinstance(config, dict) and config.get("model_type") == MODEL_TYPE
     return is_ours and (folder / MODEL_FILE).is_file()
+
+
+def written_by_export(folder: Path) -> bool:
+    """Whether ``folder`` holds an export of this package: weights whose safetensors header carries
+    ``EXPORT_MARK``. ``export --overwrite`` replaces no other folder's files."""
+    from safetensors import SafetensorError, safe_open
+
+    for path in folder.glob("*.safetensors"):
+        try:
+            with safe_open(str(path), framework="numpy") as weights:
+                metadata = weights.metadata() or {}
+        except (OSError, SafetensorError):  # unreadable, or not a safetensors file: not ours
+            continue
+        if EXPORT_MARK.items() <= metadata.items():
+            return True
+    return False
