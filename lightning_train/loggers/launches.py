@@ -140,6 +140,20 @@ def merge_chain(chain: list[Launch]) -> tuple[dict[str, dict[int, float]], list[
 
 
 # ---- reading one launch ---------------------------------------------------------------------------
+def role_in_run(launch: Launch, chain: list[Launch], launches: list[Launch]) -> str:
+    """What ``launch`` is to the run ``chain`` of the folder's ``launches``: part of it, an abandoned
+    branch of it, another run, an evaluation, or a launch that logged nothing."""
+    if launch.name in {item.name for item in chain}:
+        return "this run"
+    if launch.kind == "fit":
+        by_name = {item.name: item for item in launches}
+        root = launch
+        while root.parent is not None:
+            root = by_name[root.parent]
+        return "abandoned branch of this run" if root.name == chain[0].name else "another run"
+    return "logged nothing" if launch.kind == "empty" else "evaluation, not a training curve"
+
+
 def _read_launch(folder: Path) -> Launch:
     points: dict[str, dict[int, float]] = {}
     with (folder / "metrics.csv").open(newline="") as f:

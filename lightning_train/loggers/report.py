@@ -30,8 +30,9 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
 from lightning_train.loggers.goodput import read_goodput
-from lightning_train.loggers.launches import Launch, merge_chain, read_launches, select_run
+from lightning_train.loggers.launches import Launch, merge_chain, read_launches, role_in_run, select_run
 from lightning_train.loggers.report_html import LEVEL_COLORS, render_html
+from lightning_train.output_folder import check_apart, check_replaceable, publish, staged
 
 Series = dict[str, tuple[np.ndarray, np.ndarray]]  # metric -> (steps, values), sorted by step
 STEP_LABEL = "optimizer step"
@@ -74,7 +75,10 @@ def report(run_dir: str, output_dir: str | None = None, launch: str | None = Non
 
     Args:
         run_dir: the run folder (``trainer.default_root_dir``, holding ``version_*/metrics.csv``).
-        output_dir: where to write (default ``<run_dir>/report``).
+        output_dir: where to write (default ``<run_dir>/report``): a new or empty folder, or an earlier
+            report, which is replaced whole; never the run folder or one around it. Written in a
+            hidden sibling folder first, so a failed write (a full disk among the causes) leaves
+            nothing of it and an earlier report as it was.
         launch: report the run that this launch (``version_N``) belongs to; default: the newest fit.
 
     Returns:
@@ -103,12 +107,23 @@ def report(run_dir: str, output_dir: str | None = None, launch: str | None = Non
         >>> any("ThroughputMonitor" in note for note in result["notes"])  # what it could not plot, and why
         True
     """
-    run = load_run(run_dir, launch)
     out = Path(output_dir) if output_dir else Path(run_dir) / "report"
-    out.mkdir(parents=True, exist_ok=True)
+    check_apart(out, "output_dir", [("the run folder", run_dir)],
+                "choose another output_dir (the default is <run_dir>/report)", inside_allowed=True)
+    replace = check_replaceable(out, "output_dir", None, "an earlier report", _is_report)
+    run = load_run(run_dir, launch)
+    with staged(out, "choose an output_dir this user can create, on a disk with room for the report") as tmp:
+        result = _write_report(run, run_dir, out, tmp)
+        publish(tmp, out, replace)
+    return result
+
+
+def _write_report(run: RunHistory, run_dir: str, out: Path, folder: Path) -> dict[str, Any]:
+    """Draw the plots of ``run`` and write the report that will be ``out`` into ``folder``."""
+    roles = [{**item.describe(), "role": role_in_run(item, run.chain, run.launches)} for item in run.launches]
     result: dict[str, Any] = {
         "run_dir": str(run_dir), "html": str(out / "report.html"), "run": [item.name for item in run.chain],
-        "resumed_at": run.resumed_at, "launches": [_describe(item, run) for item in run.launches],
+        "resumed_at": run.resumed_at, "launches": roles,
         "plots": {}, "notes": [], "alerts": len(run.alerts),
     }
     plots = [(name, title, partial(plot, s=run.series, resumed_at=run.resumed_at, alerts=run.alerts))
@@ -121,12 +136,21 @@ def report(run_dir: str, output_dir: str | None = None, launch: str | None = Non
             result["notes"].append(drawn)
             continue
         figure.suptitle(title, fontsize=13, fontweight="bold")
-        figure.savefig(out / f"{name}.png", dpi=110)
+        figure.savefig(folder / f"{name}.png", dpi=110)
         entry = {"file": f"{name}.png", "title": title, "series": drawn.series}
         result["plots"][name] = {**entry, "note": drawn.note} if drawn.note else entry
-    (out / "report.json").write_text(json.dumps(result, indent=2) + "\n")
-    (out / "report.html").write_text(render_html(result, _summary_facts(run), run.alerts, out))
+    (folder / "report.json").write_text(json.dumps(result, indent=2) + "\n")
+    (folder / "report.html").write_text(render_html(result, _summary_facts(run), run.alerts, folder))
     return result
+
+
+def _is_report(folder: Path) -> bool:
+    """Whether ``folder`` holds a report this function wrote (its report.json)."""
+    try:
+        written = json.loads((folder / "report.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(written, dict) and {"run_dir", "plots"} <= written.keys()
 
 
 # ---- plots: each draws on a figure and returns what it drew, or a note when it has no data ---------
@@ -362,27 +386,6 @@ def _value_axis(ax: Any, values: list[np.ndarray]) -> str:
 def _mark_resumes(ax: Any, resumed_at: list[int]) -> None:
     for index, step in enumerate(resumed_at):
         ax.axvline(step, color="gray", ls=":", lw=1, label="resumed" if index == 0 else None)
-
-
-def _describe(launch: Launch, run: RunHistory) -> dict[str, Any]:
-    facts = launch.describe()
-    if launch.name in {item.name for item in run.chain}:
-        facts["role"] = "this run"
-    elif launch.kind == "fit":
-        same_root = _root(launch, run.launches) == run.chain[0].name
-        facts["role"] = "abandoned branch of this run" if same_root else "another run"
-    elif launch.kind == "empty":
-        facts["role"] = "logged nothing"
-    else:
-        facts["role"] = "evaluation, not a training curve"
-    return facts
-
-
-def _root(launch: Launch, launches: list[Launch]) -> str:
-    by_name = {item.name: item for item in launches}
-    while launch.parent is not None:
-        launch = by_name[launch.parent]
-    return launch.name
 
 
 def _summary_facts(run: RunHistory) -> dict[str, str]:
