@@ -25,14 +25,25 @@ _AT_LEAST: dict[str, tuple[float, str]] = {
 }
 
 
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)  # True is an int to Python
+
+
 def check_trainer_arguments(trainer: dict[str, Any]) -> None:
     for name, (least, fix) in _AT_LEAST.items():
         value = trainer.get(name)
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and value < least:
+        if _is_number(value) and value < least:
             raise UserInputError(f"--trainer.{name}={value} must be at least {least}; pass {fix}")
+    for split in ("train", "val", "test", "predict"):
+        limit = trainer.get(f"limit_{split}_batches")
+        # Lightning's rule: a fraction in [0, 1], else a whole count (the parser may hand it 2.0)
+        if _is_number(limit) and (limit < 0 or (limit > 1 and limit % 1)):
+            raise UserInputError(
+                f"--trainer.limit_{split}_batches={limit} must be a number of batches (an int >= 0) or a "
+                "fraction of them in [0.0, 1.0]; pass e.g. 10, or 1.0 for all"
+            )
     interval = trainer.get("val_check_interval")
-    is_number = isinstance(interval, (int, float)) and not isinstance(interval, bool)
-    if is_number and (interval <= 0 or (isinstance(interval, float) and interval > 1)):
+    if _is_number(interval) and (interval <= 0 or (isinstance(interval, float) and interval > 1)):
         raise UserInputError(
             f"--trainer.val_check_interval={interval} must be a positive number of steps (an int, "
             "e.g. 200) or a fraction of the epoch in (0, 1]"
