@@ -53,6 +53,8 @@ def generate(
         )
     if top_k is not None and top_k < 1:
         raise UserInputError(f"--top_k {top_k} must be at least 1, or left out to sample from every token")
+    prompts = prompt if isinstance(prompt, list) else [prompt]
+    _check_prompts(prompts)
     # here, not at the top: `generate --help` answers without importing torch
     import torch
 
@@ -61,7 +63,10 @@ def generate(
     from lightning_train.data.tokenizers import load_tokenizer
     from lightning_train.models.generate import generate_batched
 
-    torch.manual_seed(seed)
+    try:
+        torch.manual_seed(seed)
+    except (ValueError, RuntimeError) as error:  # torch's seeds are 64-bit
+        raise UserInputError(f"--seed {seed} is not a 64-bit seed ({error}); use e.g. 1234") from error
     pretrained = open_pretrained(checkpoint, allow_pickle=allow_pickle)
     spec = tokenizer or pretrained.tokenizer
     if spec is None:
@@ -72,7 +77,6 @@ def generate(
         model = _sharded(pretrained.build(), tensor_parallel, pipeline_parallel)
     else:
         model = pretrained.build().to(device)
-    prompts = prompt if isinstance(prompt, list) else [prompt]
     if chat:
         prompts = [chat_prompt(p) for p in prompts]
     completions = generate_batched(
@@ -80,6 +84,23 @@ def generate(
         device=device, use_cache=use_cache, tokenizer_vocab_size=tok.vocab_size,
     )
     return [p + tok.decode(c) for p, c in zip(prompts, completions, strict=True)]
+
+
+def _check_prompts(prompts: list[str]) -> None:
+    """Refuse no prompt at all, and one with bytes that are not UTF-8 (a command line in another
+    encoding reaches Python as lone surrogates, which no tokenizer can encode)."""
+    if not prompts:
+        raise UserInputError("--prompt [] holds no prompt; pass at least one, e.g. --prompt 'def '")
+    for i, text in enumerate(prompts):
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as error:
+            byte = ord(text[error.start]) - 0xDC00  # how Python keeps an undecodable byte of argv
+            shown = f"byte 0x{byte:02x}" if 0x80 <= byte <= 0xFF else repr(text[error.start])
+            raise UserInputError(
+                f"prompt {i} holds {shown}, which is not UTF-8 text; pass the prompt in UTF-8 (set the "
+                "terminal's encoding to UTF-8)"
+            ) from error
 
 
 def _sharded(model: Any, tensor_parallel: int, pipeline_parallel: int) -> Any:
