@@ -60,6 +60,13 @@ def check_at_least(*checks: tuple[str, int, int]) -> None:
             raise UserInputError(f"{name}={value} must be at least {least}")
 
 
+def check_seed(seed: int) -> None:
+    """Refuse a seed that the sample order (numpy: not negative) or the loaders' ``torch.Generator``
+    (64 bits) cannot take."""
+    if not 0 <= seed < 1 << 64:
+        raise UserInputError(f"seed={seed} must be in [0, 2**64 - 1], e.g. 1234")
+
+
 class GlobalOrderSampler(DistributedSampler):
     """This rank's share of one global sample order, resumable at any world size.
 

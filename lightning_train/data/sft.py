@@ -26,7 +26,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.data import Dataset
 
 from lightning_train.data.chat import ROLES, Segments, chat_segments
-from lightning_train.data.loading import ResumableDataModule, check_at_least
+from lightning_train.data.loading import ResumableDataModule, check_at_least, check_seed
 from lightning_train.data.tasks import default_task_dir
 from lightning_train.data.tokenizers import Tokenizer, load_tokenizer
 from lightning_train.errors import UserInputError
@@ -36,9 +36,10 @@ def read_examples(path: str | Path) -> list[Segments]:
     """The examples of a JSONL file as segments; a malformed line is an error naming file and line."""
     path = Path(path).expanduser()
     if not path.is_file():
-        raise UserInputError(f"SFT data file {str(path)!r} does not exist; pass a JSONL file")
+        what = "is a folder" if path.is_dir() else "does not exist"
+        raise UserInputError(f"SFT data file {str(path)!r} {what}; pass a JSONL file")
     examples = []
-    with path.open(encoding="utf-8") as lines:
+    with path.open("rb") as lines:
         for number, line in enumerate(lines, start=1):
             if line.strip():
                 examples.append(_parse(line, f"{path}:{number}"))
@@ -47,11 +48,15 @@ def read_examples(path: str | Path) -> list[Segments]:
     return examples
 
 
-def _parse(line: str, where: str) -> Segments:
+def _parse(line: bytes, where: str) -> Segments:
     try:
-        row = json.loads(line)
+        row = json.loads(line.decode("utf-8"))
+    except UnicodeDecodeError as err:
+        raise UserInputError(
+            f"{where}: byte 0x{line[err.start]:02x} is not UTF-8 text; save the file as UTF-8"
+        ) from err
     except ValueError as err:
-        raise UserInputError(f"{where}: not valid JSON ({err})") from err
+        raise UserInputError(f"{where}: not valid JSON ({err}); write one JSON object a line") from err
     if isinstance(row, dict) and isinstance(row.get("prompt"), str) and isinstance(row.get("response"), str):
         return [(row["prompt"], False), (row["response"], True)]
     messages = row.get("messages") if isinstance(row, dict) else None
@@ -206,6 +211,7 @@ class SFTDataModule(ResumableDataModule):
             ("global_batch_size", 1 if global_batch_size is None else global_batch_size, 1),
             ("pad_to_multiple_of", 1 if pad_to_multiple_of is None else pad_to_multiple_of, 1),
         )  # fmt: skip
+        check_seed(seed)
         # No tokenizer given means the model's: recorded by the model alone, since Lightning refuses a
         # `tokenizer` key of model and data that differ (None here, "byte" there).
         self.save_hyperparameters(ignore=["tokenizer"] if tokenizer is None else None)

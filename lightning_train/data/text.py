@@ -13,6 +13,7 @@ The loaders, their world-size-independent data position (resume at any device co
 from __future__ import annotations
 
 import hashlib
+import math
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,7 @@ import torch
 from torch.utils.data import Dataset
 
 from lightning_train.data.default_corpus import cache_dir, default_corpus_dir
-from lightning_train.data.loading import ResumableDataModule, check_at_least
+from lightning_train.data.loading import ResumableDataModule, check_at_least, check_seed
 from lightning_train.data.mixture import LabeledSources, MixtureWindows
 from lightning_train.data.object_storage import local_dataset
 from lightning_train.data.shards import read_meta, tokenizer_spec
@@ -111,6 +112,7 @@ class TextDataModule(ResumableDataModule):
             ("seq_len", seq_len, 1), ("batch_size", batch_size, 1), ("num_workers", num_workers, 0),
             ("global_batch_size", 1 if global_batch_size is None else global_batch_size, 1),
         )
+        check_seed(seed)
         if val_batches is not None and val_batches < 1:
             raise UserInputError(
                 f"val_batches={val_batches} must be at least 1, or None for the whole val split"
@@ -255,8 +257,8 @@ def _check_mixture(mixture: dict[str, float] | None, data_dir: str | None) -> di
     if not mixture:
         raise UserInputError("mixture is empty; give prepared folders and weights, e.g. {'data/web': 0.7}")
     for folder, weight in mixture.items():
-        if not isinstance(weight, int | float) or weight < 0:
-            raise UserInputError(f"mixture weight {weight!r} of {folder} must be a number >= 0")
+        if not isinstance(weight, int | float) or not 0 <= weight < math.inf:  # NaN fails too
+            raise UserInputError(f"mixture weight {weight!r} of {folder} must be a number >= 0 (and finite)")
         if not Path(folder).expanduser().is_dir():
             raise UserInputError(f"mixture source {folder} is not a folder; make it with `prepare` first")
     if sum(mixture.values()) <= 0:
