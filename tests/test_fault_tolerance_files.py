@@ -73,7 +73,7 @@ def test_newest_is_by_step_and_manifestless_files_are_checked_as_zip(tmp_path: P
     io = AtomicCheckpointIO()
     newest = save(io, tmp_path / "step=9.ckpt", 9)
     save(io, tmp_path / "written-later.ckpt", 2)  # newer file, older step
-    torch.save({"global_step": 20}, tmp_path / "plain.ckpt")  # plain Lightning: no manifest
+    torch.save({"global_step": 5}, tmp_path / "plain.ckpt")  # plain Lightning: no manifest
     (tmp_path / ".last.ckpt.partial").write_bytes(b"torn")  # an interrupted write is never a candidate
     assert find_resume_checkpoint(tmp_path) == newest
 
@@ -81,6 +81,37 @@ def test_newest_is_by_step_and_manifestless_files_are_checked_as_zip(tmp_path: P
     (tmp_path / "torn.ckpt").write_bytes((tmp_path / "plain.ckpt").read_bytes()[:-100])
     with pytest.raises(CorruptCheckpointError, match="not a readable torch file"):
         verify_checkpoint(tmp_path / "torn.ckpt")
+
+
+@pytest.mark.parametrize("manifest, file, resumed, said", [
+    ("unreadable", "whole", "older", "the manifest {manifest} is unreadable"),
+    ("missing", "whole", "newer", "checkpoint {newer} has no manifest; its files pass the checks"),
+    # neither a manifest nor the file says its step: named all the same, as possibly the newest
+    ("missing", "torn", "older",
+     "skipping checkpoint {newer}, whose step cannot be read: checkpoint {newer} is not a readable torch "
+     "file"),
+    ("unreadable", "torn", "older",
+     "skipping checkpoint {newer}, whose step cannot be read: the manifest {manifest} is unreadable"),
+])
+def test_auto_resume_never_passes_over_a_newer_checkpoint_silently(
+    manifest: str, file: str, resumed: str, said: str, tmp_path: Path
+) -> None:
+    io = AtomicCheckpointIO()
+    older = save(io, tmp_path / "step=3.ckpt", 3)
+    newer = save(io, tmp_path / "step=6.ckpt", 6)
+    os.utime(older, (1, 1))  # the older one written later: ordering is by the step the checkpoint records
+    if manifest == "missing":
+        manifest_path(newer).unlink()
+    else:
+        manifest_path(newer).write_text('{"files": {"step=6.ckpt": ')
+    if file == "torn":
+        newer.write_bytes(newer.read_bytes()[:-100])
+    with pytest.warns(UserWarning) as warned:
+        assert find_resume_checkpoint(tmp_path) == {"older": older, "newer": newer}[resumed]
+    messages = [str(warning.message) for warning in warned]
+    assert any(said.format(newer=newer, manifest=manifest_path(newer)) in m for m in messages), messages
+    rescued = [m for m in messages if f"delete {manifest_path(newer)} to resume from it" in m]
+    assert len(rescued) == (manifest == "unreadable" and file == "whole"), messages
 
 
 def test_resume_choices_and_their_errors(tmp_path: Path) -> None:

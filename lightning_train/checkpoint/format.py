@@ -131,7 +131,7 @@ def verify_checkpoint(checkpoint: str | Path) -> dict[str, Any] | None:
             if not (checkpoint / DCP_METADATA).is_file():
                 raise CorruptCheckpointError(f"checkpoint folder {checkpoint} is unfinished (no .metadata)")
         else:
-            _check_zip(checkpoint)
+            verify_zip(checkpoint)
         return None
     check_format_version(int(manifest.get("format_version", 0)), checkpoint)
     root = checkpoint if checkpoint.is_dir() else checkpoint.parent
@@ -149,7 +149,7 @@ def verify_checkpoint(checkpoint: str | Path) -> dict[str, Any] | None:
     return manifest
 
 
-def _check_zip(path: Path) -> None:
+def verify_zip(path: Path) -> None:
     try:
         with zipfile.ZipFile(path) as archive:
             bad = archive.testzip()
@@ -162,6 +162,18 @@ def _check_zip(path: Path) -> None:
         raise CorruptCheckpointError(
             f"checkpoint {path} is corrupt (bad CRC in {bad}); copy it again or use an earlier checkpoint"
         )
+
+
+def recorded_step(checkpoint: Path) -> int | None:
+    """The global step a checkpoint records in itself (a file's ``global_step``, a sharded folder's
+    ``meta.pt``), read without its tensors; None when it cannot be read."""
+    path = checkpoint / METADATA_FILENAME if checkpoint.is_dir() else checkpoint
+    try:
+        with torch.serialization.safe_globals(safe_globals()):
+            step = torch.load(path, map_location="cpu", weights_only=True, mmap=True).get("global_step")
+    except Exception:  # unreadable in any way: no step to sort by
+        return None
+    return step if isinstance(step, int) else None
 
 
 # ---- safe loading ---------------------------------------------------------------------------------------

@@ -47,9 +47,12 @@ from lightning_train.checkpoint.format import (
     DCP_METADATA,
     FOLDER_MANIFEST,
     MANIFEST_SUFFIX,
+    manifest_path,
     read_checkpoint,
     read_manifest,
+    recorded_step,
     verify_checkpoint,
+    verify_zip,
 )
 from lightning_train.errors import CorruptCheckpointError, UserInputError
 
@@ -103,22 +106,63 @@ def _resolve_remote(resume: str) -> str:
 def find_resume_checkpoint(folder: str | Path) -> Path | str | None:
     """The newest checkpoint in ``folder`` that passes verification, or None when there is none.
 
-    Corrupt or unfinished checkpoints are skipped with a warning; a checkpoint written by a newer,
-    incompatible format stops the search with an error (resuming from an older one would silently
-    throw that progress away)."""
-    for candidate in checkpoints_newest_first(folder):
+    Never passes over a newer checkpoint without a word: each one skipped is named in a warning with
+    the reason (truncated, altered, unfinished, its manifest unreadable); one without a manifest
+    (written by plain Lightning, or cut short between its two renames) is used when its file passes
+    torch's zip CRCs, and said so. A checkpoint written by a newer, incompatible format stops the search
+    with an error (resuming from an older one would silently throw that progress away)."""
+    ranked = _ranked(folder)
+    for index, (candidate, _) in enumerate(ranked):
         try:
-            verify_checkpoint(candidate)
+            manifest = verify_checkpoint(candidate)
         except CorruptCheckpointError as error:
-            rank_zero_warn(f"skipping checkpoint {candidate}: {error}")
+            rank_zero_warn(f"skipping checkpoint {candidate}: {error}{_rescue(candidate)}")
             continue
+        if manifest is None and not storage.is_remote(candidate):
+            rank_zero_warn(f"checkpoint {candidate} has no manifest; its files pass the "
+                           "checks they carry (zip CRCs, DCP's .metadata), so it is resumed from")
+        _name_unranked(ranked[index + 1:])
         return candidate
+    _name_unranked(ranked)
     return None
+
+
+def _name_unranked(rest: list[tuple[Path | str, int | None]]) -> None:
+    """Warn about each checkpoint passed over whose step cannot be read: it may be the newest."""
+    for candidate, step in rest:
+        if step is None:
+            try:
+                verify_checkpoint(candidate)
+                why = "it records no global step"
+            except CorruptCheckpointError as error:
+                why = str(error)
+            rank_zero_warn(f"skipping checkpoint {candidate}, whose step cannot be read: {why}")
+
+
+def _rescue(candidate: Path | str) -> str:
+    """For a local checkpoint file whose manifest alone is bad, how to resume from it anyway."""
+    if storage.is_remote(candidate) or not Path(candidate).is_file():
+        return ""
+    try:
+        read_manifest(candidate)
+    except CorruptCheckpointError:
+        try:
+            verify_zip(Path(candidate))
+        except CorruptCheckpointError:
+            return ""
+        return (f"; its file passes torch's zip CRCs: delete {manifest_path(candidate)} to resume from it "
+                "with that check alone")
+    return ""
 
 
 def checkpoints_newest_first(folder: str | Path) -> list[Path] | list[str]:
     """The checkpoint files and folders in ``folder``, unverified, newest (highest step) first. On object
     storage only those with a manifest count (it is their commit point), newest by its step."""
+    return [path for path, _ in _ranked(folder)]  # type: ignore[return-value]
+
+
+def _ranked(folder: str | Path) -> list[tuple[Path | str, int | None]]:
+    """``checkpoints_newest_first`` with each one's step (None where it cannot be read: those rank last)."""
     if storage.is_remote(folder):
         return _remote_newest_first(str(folder))
     folder = Path(folder)
@@ -131,13 +175,15 @@ def checkpoints_newest_first(folder: str | Path) -> list[Path] | list[str]:
         is_file_checkpoint = entry.is_file() and entry.suffix == ".ckpt"
         if is_file_checkpoint or _is_checkpoint_folder(entry):
             seen.setdefault(entry.resolve(), entry)  # a symlinked last.ckpt is its target
-    return sorted(seen.values(), key=_age_key, reverse=True)
+    keyed = [(path, _step(path), path.stat().st_mtime) for path in seen.values()]
+    keyed.sort(key=lambda item: (-1 if item[1] is None else item[1], item[2]), reverse=True)
+    return [(path, step) for path, step, _ in keyed]
 
 
-def _remote_newest_first(folder: str) -> list[str]:
+def _remote_newest_first(folder: str) -> list[tuple[str, int | None]]:
     import lightning_train.checkpoint.remote as remote
 
-    steps: dict[str, int] = {}
+    steps: dict[str, int | None] = {}
     for name in storage.list_names(folder):
         url = storage.join(folder, name)
         if name.startswith(".") or name.endswith(MANIFEST_SUFFIX) or not remote.is_checkpoint(url):
@@ -146,10 +192,12 @@ def _remote_newest_first(folder: str) -> list[str]:
             step = (remote.read_manifest(url) or {}).get("global_step")
         except CorruptCheckpointError:
             step = None
-        steps[url] = step if isinstance(step, int) else -1
+        steps[url] = step if isinstance(step, int) else None
     # a step's last.ckpt is written after its step=N checkpoint (and knows of it): it wins the tie, as
     # the newer file does on local disk
-    return sorted(steps, key=lambda url: (steps[url], storage.name(url).startswith("last")), reverse=True)
+    ranked = sorted(steps, key=lambda url: (-1 if steps[url] is None else steps[url],
+                                            storage.name(url).startswith("last")), reverse=True)
+    return [(url, steps[url]) for url in ranked]
 
 
 def _is_checkpoint_folder(path: Path) -> bool:
@@ -157,14 +205,16 @@ def _is_checkpoint_folder(path: Path) -> bool:
     return path.is_dir() and ((path / FOLDER_MANIFEST).exists() or (path / DCP_METADATA).exists())
 
 
-def _age_key(path: Path) -> tuple[int, float]:
-    """(global step, mtime): checkpoints without a readable manifest rank below all that have one."""
+def _step(path: Path) -> int | None:
+    """The step of a checkpoint: its manifest's, else (no readable manifest) the one the checkpoint
+    records itself, so that a newer checkpoint whose manifest is lost still sorts as newer and is named
+    when it does not verify; None when neither can be read."""
     try:
         manifest = read_manifest(path)
     except CorruptCheckpointError:
         manifest = None
-    step = manifest.get("global_step") if manifest else None
-    return (step if isinstance(step, int) else -1, path.stat().st_mtime)
+    step = manifest.get("global_step") if manifest else recorded_step(path)
+    return step if isinstance(step, int) else None
 
 
 def checkpoint_mismatch_error(error: BaseException, checkpoint: str | None) -> UserInputError | None:
