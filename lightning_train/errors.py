@@ -127,11 +127,14 @@ def write_failed(
 
 
 def remedy(error: BaseException) -> str:
-    """What to do first about a refused write: free space (out of space or quota), else make the place
-    writable."""
-    os_error = os_error_of(error)
-    full = os_error is not None and os_error.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
-    return "free space there" if full else "make it writable"
+    """What to do first about a refused write: free space (out of space or quota), move a file that
+    stands in the way, else make the place writable."""
+    number = getattr(os_error_of(error), "errno", None)
+    if number in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        return "free space there"
+    if number in (errno.ENOTDIR, errno.EEXIST, errno.EISDIR):
+        return "move what stands in the way"
+    return "make it writable"
 
 
 def refused_write_of(error: BaseException | None) -> OSError | None:

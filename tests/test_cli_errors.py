@@ -92,6 +92,8 @@ def test_bad_input_raised_inside_a_run_is_its_own_error_line(tmp_path, trained, 
     )
     assert _assert_one_clear_error(result) == f"error: {MESSAGE.format(point=point)}"
     assert "iter(combined_loader)" not in result.stderr
+    if point in ("setup", "load_checkpoint"):  # failed before it ran: no folder left (was hparams.yaml)
+        assert not (tmp_path / "run").exists(), sorted(map(str, (tmp_path / "run").rglob("*")))
 
 
 # ---- --resume for validate and test ---------------------------------------------------------------

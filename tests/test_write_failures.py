@@ -23,7 +23,8 @@ CASES = {  # (how the disk fails after step 4, bytes left, extra arguments, the 
     "full": ("full", 40_000, (), f"cannot write {{run}}/{CHECKPOINT_AT_6}: no space left on the device"),
     "full-async": ("full", 40_000, ("--async_checkpoint", "true"),
                    f"cannot write {{run}}/{CHECKPOINT_AT_6}: no space left on the device"),
-    "read-only": ("read_only", 0, (), f"cannot write {{run}}/{CHECKPOINT_AT_6}: the file system is read-only"),
+    "read-only": ("read_only", 0, (),
+                  f"cannot write {{run}}/{CHECKPOINT_AT_6}: the file system is read-only"),
     # the metrics of step 4's validation no longer fit: Lightning's CSV logger fails, not a checkpoint
     "full-metrics": ("full", 0, (), "cannot write {run}/version_0: no space left on the device"),
 }

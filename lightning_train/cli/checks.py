@@ -62,3 +62,13 @@ def check_trainer_arguments(trainer: dict[str, Any]) -> None:
             "(this package's, see docs/strategies.md), or one of Lightning's: auto, ddp, fsdp, deepspeed, "
             "single_device"
         )
+
+
+def check_seed_everything(seed: Any) -> None:
+    """Lightning's ``seed_everything`` seeds numpy, which takes 32-bit seeds only (a traceback otherwise);
+    ``True`` (a random seed) and ``False`` (no seeding) pass."""
+    if _is_number(seed) and not 0 <= seed <= 2**32 - 1:
+        raise UserInputError(
+            f"--seed_everything={seed} is out of range; use an int in [0, 4294967295] (e.g. 1234), true for "
+            "a random seed, or false for none"
+        )

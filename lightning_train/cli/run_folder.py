@@ -17,8 +17,10 @@ launches' logs (``version_N/``) go to the local ``runs/x/`` of the machine that 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -50,9 +52,14 @@ def run_folder(run_name: str | None, default_root_dir: str | None, config_files:
         return storage.join(storage.parent(root), run_name) if run_name else root
     if default_root_dir:
         root = Path(default_root_dir)
-        return root.parent / run_name if run_name else root
-    stem = Path(str(config_files[-1])).stem if config_files else "default"
-    return RUNS / (run_name or stem)
+        root = root.parent / run_name if run_name else root
+    else:
+        stem = Path(str(config_files[-1])).stem if config_files else "default"
+        root = RUNS / (run_name or stem)
+    if root.exists() and not root.is_dir():
+        raise UserInputError(f"the run folder {root} is a file; pass a folder for the run with "
+                             "--trainer.default_root_dir (or --run_name NAME)")
+    return root
 
 
 def local_logs(url: str) -> Path:
@@ -147,13 +154,26 @@ def _step_of(checkpoint: str) -> int | None:
     return manifest.get("global_step") if manifest else None
 
 
-def remove_empty_launch(trainer: Trainer) -> None:
-    """After a launch failed: remove its log folder, and the run folder, if they stayed empty."""
-    for folder in (log_dir_of(trainer), Path(trainer.default_root_dir)):
-        try:
-            folder.rmdir()  # only ever removes an empty folder
-        except OSError:
-            return
+def launch_log_dir(trainer: Trainer) -> Path | None:
+    """This launch's own log folder (its logger's ``version_N/``), None when it logs into the run folder."""
+    folder = log_dir_of(trainer)
+    return None if folder.resolve() == Path(trainer.default_root_dir).resolve() else folder
+
+
+def remove_failed_launch(trainer: Trainer, log_dir_was_new: bool) -> None:
+    """After a launch failed before it started training or evaluating (it saved no ``config.yaml``): remove
+    the log folder it created (Lightning's ``hparams.yaml`` is all it holds), then its parents up to the
+    run folder and the run's ``checkpoints/`` where they are empty: the folder is as the launch found it."""
+    log_dir = launch_log_dir(trainer)
+    if log_dir is not None and log_dir_was_new and not (log_dir / "config.yaml").exists():
+        shutil.rmtree(log_dir, ignore_errors=True)
+    run = Path(trainer.default_root_dir)
+    for folder in (*(log_dir.parents if log_dir else ()), run / "checkpoints"):
+        if folder == run or run in folder.parents:
+            with contextlib.suppress(OSError):
+                folder.rmdir()  # only ever removes an empty folder
+    with contextlib.suppress(OSError):
+        run.rmdir()
 
 
 class SaveConfigWhenRunning(SaveConfigCallback):

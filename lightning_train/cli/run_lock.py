@@ -30,7 +30,7 @@ from typing import Any
 from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_train.checkpoint.manifest import launch_ids
-from lightning_train.errors import UserInputError
+from lightning_train.errors import UserInputError, write_failed
 
 LOCK_FILE = "run.lock"
 HEARTBEAT_S = 30.0
@@ -66,7 +66,11 @@ class RunLock:
 
     def acquire(self) -> None:
         """Take the lock, or raise ``UserInputError`` naming the process that holds it."""
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            fix = "choose a run folder this user can write with --trainer.default_root_dir (or --run_name NAME)"
+            raise write_failed(self.path.parent, error, fix) from error
         for _ in range(3):  # another launch may take or drop a stale lock between our steps
             if self._create():
                 self._start_heartbeat()

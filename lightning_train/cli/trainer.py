@@ -49,13 +49,14 @@ from lightning_train.checkpoint import (
 from lightning_train.checkpoint.format import safe_globals
 from lightning_train.cli._failure import first_process_of_node, reported_cause
 from lightning_train.cli._parsers import PROG, SUBCOMMANDS, ParserConventions
-from lightning_train.cli.checks import check_trainer_arguments
+from lightning_train.cli.checks import check_seed_everything, check_trainer_arguments
 from lightning_train.cli.elastic import restart_resume, torchrun_layout
 from lightning_train.cli.run_folder import (
     SaveConfigWhenRunning,
     check_fit,
+    launch_log_dir,
     local_logs,
-    remove_empty_launch,
+    remove_failed_launch,
     run_folder,
 )
 from lightning_train.cli.run_lock import RunLock
@@ -111,6 +112,12 @@ class LightningTrainCLI(LightningCLI):
             LightningModule, LightningDataModule, subclass_mode_model=True, subclass_mode_data=True,
             args=args, **kwargs,
         )
+
+    def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
+        super().parse_arguments(parser, args)
+        subcommand = self.config.get("subcommand")
+        config = self.config[subcommand] if subcommand else self.config
+        check_seed_everything(config.get("seed_everything"))  # before Lightning seeds with it
 
     def _add_subcommands(self, parser: LightningArgumentParser, **kwargs: Any) -> None:
         """Lightning's, with a whole line of help for each subcommand, and only the named subcommand's
@@ -180,17 +187,18 @@ class LightningTrainCLI(LightningCLI):
         config.trainer.default_root_dir = str(root)
 
     def before_fit(self) -> None:
+        self._resolve_checkpoint()  # a bad --resume or --ckpt_path is refused before anything is written
         if self.trainer.global_rank == 0 and first_process_of_node():  # the launch's first process
             self.run_lock = RunLock(self.trainer.default_root_dir)  # the local logs' folder for s3:// runs
             self.run_lock.acquire()
         try:
-            self._before_fit()
+            self._check_fit()
         except BaseException:
             self._release_run_lock()
+            remove_failed_launch(self.trainer, log_dir_was_new=False)  # the lock may have made the folder
             raise
 
-    def _before_fit(self) -> None:
-        self._resolve_checkpoint()
+    def _check_fit(self) -> None:
         callbacks = self.trainer.callbacks
         if getattr(self.datamodule, "mixture", None) and not any(
             isinstance(c, DataMixtureMonitor) for c in callbacks
@@ -278,10 +286,14 @@ class LightningTrainCLI(LightningCLI):
 
     def _run(self, trainer_fn: Callable[..., Any], model: LightningModule, **kwargs: Any) -> None:
         check_model = getattr(self.trainer.strategy, "check_model", None)
+        log_dir = launch_log_dir(self.trainer)
+        log_dir_was_new = log_dir is not None and not log_dir.exists()
+        failed = True
         try:
             if check_model is not None:  # a layout the model cannot take: one line, before any process starts
                 check_model(model, kwargs.get("datamodule"))
             trainer_fn(model, **kwargs)
+            failed = False
         except (RuntimeError, OSError) as error:
             # a checkpoint of another model shape, or a log file the disk refused: one line, not a traceback
             replacement = (checkpoint_mismatch_error(error, kwargs.get("ckpt_path"))
@@ -291,7 +303,8 @@ class LightningTrainCLI(LightningCLI):
             raise replacement from error
         finally:
             self._release_run_lock()
-            remove_empty_launch(self.trainer)  # a launch that failed before it ran leaves no empty folders
+            if failed:  # a launch that failed before it ran leaves the run folder as it found it
+                remove_failed_launch(self.trainer, log_dir_was_new)
 
     def _release_run_lock(self) -> None:
         lock, self.run_lock = self.run_lock, None
