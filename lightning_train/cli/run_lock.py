@@ -69,7 +69,7 @@ class RunLock:
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
         except OSError as error:
-            fix = "choose a run folder this user can write with --trainer.default_root_dir (or --run_name NAME)"
+            fix = "choose a run folder this user can write: --trainer.default_root_dir (or --run_name NAME)"
             raise write_failed(self.path.parent, error, fix) from error
         for _ in range(3):  # another launch may take or drop a stale lock between our steps
             if self._create():
