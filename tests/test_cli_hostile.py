@@ -120,18 +120,12 @@ CASES: dict[str, Case | tuple[Case, pytest.MarkDecorator]] = {
         _fit("--trainer.default_root_dir", "doc.txt"), ["doc.txt", "is a file"]),
     "fit a negative seed_everything": Case(
         _fit("--seed_everything", "-1"), ["--seed_everything=-1", "4294967295"]),
-    "fit a model of no layers": (
-        Case(_fit("--model.init_args.config.n_layer", "0"), ["n_layer=0", "at least 1"]),
-        _owned_elsewhere("models/gpt.py GPTConfig", "exit 0: trains a model of no blocks")),
-    "fit a model of zero width": (
-        Case(_fit("--model.init_args.config.n_embd", "0"), ["n_embd=0", "at least 1"]),
-        _owned_elsewhere("models/gpt.py GPTConfig", "exit 0: trains a model of empty tensors")),
-    "fit a model of no heads": (
-        Case(_fit("--model.init_args.config.n_head", "0"), ["n_head=0", "at least 1"]),
-        _owned_elsewhere("models/gpt.py GPTConfig", "'error: integer modulo by zero'")),
-    "fit a dropout above 1": (
-        Case(_fit("--model.init_args.config.dropout", "2"), ["dropout=2", "[0, 1)"]),
-        _owned_elsewhere("models/gpt.py GPTConfig", "a ValueError traceback from nn.Dropout, exit 1")),
+    "fit a model of no layers": Case(
+        _fit("--model.init_args.config.n_layer", "0"), ["n_layer=0", "at least 1"]),
+    "fit a model of zero width": Case(
+        _fit("--model.init_args.config.n_embd", "0"), ["n_embd=0", "at least 1"]),
+    "fit a model of no heads": Case(_fit("--model.init_args.config.n_head", "0"), ["n_head=0", "at least 1"]),
+    "fit a dropout above 1": Case(_fit("--model.init_args.config.dropout", "2"), ["dropout=2", "[0, 1)"]),
     # ---- fine-tuning data (SFT JSONL) -----------------------------------------------------------------
     "fit SFT data that is not UTF-8": Case(
         _sft("--data.init_args.train_file", "latin1.jsonl"), ["latin1.jsonl:2: byte 0xe9 is not UTF-8"]),

@@ -4,6 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from lightning_train.errors import UserInputError
 from lightning_train.models.gpt import GPT, GPTConfig
 
 GPT2_STYLE = dict(norm="layernorm", position="learned", mlp="gelu", bias=True, tie_embeddings=False)
@@ -71,3 +72,29 @@ def test_generate_with_and_without_cache_agree(tiny_config):
 def test_invalid_head_counts_are_rejected():
     with pytest.raises(ValueError, match="n_head=3"):
         GPTConfig(n_embd=32, n_head=3)
+
+
+@pytest.mark.parametrize("setting, says", [
+    ({"n_layer": 0}, "n_layer=0 must be at least 1"),
+    ({"n_kv_head": 0}, "n_kv_head=0 must be at least 1"),  # before n_head % n_kv_head divides by it
+    ({"vocab_size": -1}, "vocab_size=-1 must be at least 1"),
+    ({"intermediate_size": 0}, "intermediate_size=0 must be at least 1"),
+    ({"dropout": 1.0}, "dropout=1.0 is outside [0, 1)"),
+    ({"dropout": math.nan}, "dropout=nan is outside [0, 1)"),
+    ({"rope_theta": 0.0}, "rope_theta=0.0 must be positive and finite (default 10000.0)"),
+    ({"norm_eps": math.inf}, "norm_eps=inf must be positive and finite"),
+    ({"init_std": -0.02}, "init_std=-0.02 must be positive and finite"),
+    ({"mlp": "relu"}, "mlp='relu' is not one of swiglu, gelu"),
+    ({"n_embd": 24, "n_head": 8}, "heads of 3 dimensions; position='rope' needs an even number"),
+])
+def test_a_config_no_model_can_have_is_refused(setting, says):
+    """One line naming the value (the CLI prints it as its error line), not a traceback or a model of
+    empty tensors later on."""
+    with pytest.raises(UserInputError) as refused:
+        GPTConfig(**setting)
+    assert says in str(refused.value)
+
+
+def test_odd_heads_are_fine_with_learned_positions():
+    model = GPT(GPTConfig(vocab_size=16, block_size=8, n_layer=1, n_embd=24, n_head=8, position="learned"))
+    assert model(torch.zeros(1, 8, dtype=torch.long)).shape == (1, 8, 16)

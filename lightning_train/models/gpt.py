@@ -11,13 +11,14 @@ where the device has them).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Literal
+from dataclasses import dataclass, fields
+from typing import Literal, get_args, get_origin, get_type_hints
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lightning_train.errors import UserInputError
 from lightning_train.models.generate import decode
 
 VOCAB_MULTIPLE = 64  # a vocabulary taken from the data is padded to this: faster matmuls (nanoGPT, LitGPT)
@@ -59,12 +60,18 @@ class GPTConfig:
     init_std: float = 0.02
 
     def __post_init__(self) -> None:
+        _check_ranges(self)
         if self.n_kv_head is None:
             self.n_kv_head = self.n_head
         if self.n_embd % self.n_head:
-            raise ValueError(f"n_embd={self.n_embd} must be divisible by n_head={self.n_head}")
+            raise UserInputError(f"n_embd={self.n_embd} must be divisible by n_head={self.n_head}")
         if self.n_head % self.n_kv_head:
-            raise ValueError(f"n_head={self.n_head} must be divisible by n_kv_head={self.n_kv_head}")
+            raise UserInputError(f"n_head={self.n_head} must be divisible by n_kv_head={self.n_kv_head}")
+        if self.position == "rope" and self.head_dim % 2:  # rotary embeddings rotate pairs of dimensions
+            raise UserInputError(
+                f"n_embd={self.n_embd} / n_head={self.n_head} gives heads of {self.head_dim} dimensions; "
+                "position='rope' needs an even number: change n_embd or n_head"
+            )
         if self.intermediate_size is None:
             if self.mlp == "gelu":
                 self.intermediate_size = 4 * self.n_embd
@@ -74,6 +81,25 @@ class GPTConfig:
     @property
     def head_dim(self) -> int:
         return self.n_embd // self.n_head
+
+
+def _check_ranges(config: GPTConfig) -> None:
+    """Refuse a value no model can have (a traceback, or a model of empty tensors, later on)."""
+    for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_kv_head", "n_embd", "intermediate_size"):
+        value = getattr(config, name)
+        if value is not None and value < 1:  # None: filled in (see the fields' comments)
+            raise UserInputError(f"{name}={value} must be at least 1")
+    if not 0 <= config.dropout < 1:
+        raise UserInputError(f"dropout={config.dropout} is outside [0, 1); use 0.0 for none, or e.g. 0.1")
+    defaults = {field.name: field.default for field in fields(config)}
+    for name in ("rope_theta", "norm_eps", "init_std"):
+        value = getattr(config, name)
+        if not 0 < value < math.inf:  # also refuses nan
+            raise UserInputError(f"{name}={value} must be positive and finite (default {defaults[name]})")
+    for name, hint in get_type_hints(GPTConfig).items():  # norm, position, mlp: Python does not check them
+        value = getattr(config, name)
+        if get_origin(hint) is Literal and value not in get_args(hint):
+            raise UserInputError(f"{name}={value!r} is not one of {', '.join(get_args(hint))}")
 
 
 def padded_vocab_size(vocab_size: int) -> int:
