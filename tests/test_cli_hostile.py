@@ -112,10 +112,9 @@ CASES: dict[str, Case | tuple[Case, pytest.MarkDecorator]] = {
         _fit("--trainer.limit_val_batches", "2.5"), ["--trainer.limit_val_batches=2.5", "an int >= 0"]),
     "fit --resume a file that is no checkpoint": Case(
         _fit("--resume", "nul.txt"), ["nul.txt is not a readable torch file", "pass a .ckpt"]),
-    "fit a data folder that is a file": (
-        Case(_fit("--data.init_args.data_dir", "doc.txt"), ["data_dir 'doc.txt' is a file"]),
-        _owned_elsewhere("data/shards.py read_meta", "\"data_dir 'doc.txt' has no meta.json; create it with "
-                         "`... prepare ... --output_dir doc.txt`\", a fix that fails on a file")),
+    "fit a data folder that is a file": Case(
+        _fit("--data.init_args.data_dir", "doc.txt"),
+        ["data_dir 'doc.txt' is a file; pass a dataset folder", "prepare --inputs '[doc.txt]' --output_dir"]),
     "fit a run folder that is a file": Case(
         _fit("--trainer.default_root_dir", "doc.txt"), ["doc.txt", "is a file"]),
     "fit a negative seed_everything": Case(

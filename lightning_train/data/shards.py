@@ -40,7 +40,6 @@ from lightning_train.storage import is_remote, name, scratch_dir
 
 FORMAT_VERSION = 1
 SPLITS = ("train", "val")
-PREPARE_HINT = "python -m lightning_train prepare --inputs '[<text files or folders>]' --output_dir {}"
 
 
 @dataclass(frozen=True)
@@ -401,12 +400,17 @@ def read_meta(data_dir: str | Path) -> dict[str, Any]:
     of its token ids fits the vocabulary."""
     folder = Path(data_dir).expanduser()
     meta_path = folder / "meta.json"
+    if folder.is_file():  # e.g. the text itself: prepare makes the dataset folder from it
+        raise UserInputError(
+            f"data_dir {str(folder)!r} is a file; pass a dataset folder, e.g. one made from it with "
+            f"`{_prepare_command('<new folder>', inputs=folder)}`"
+        )
     if not meta_path.is_file():
         what = "does not exist" if not folder.exists() else "has no meta.json"
         raise UserInputError(
-            f"data_dir {str(folder)!r} {what}; create it with `{PREPARE_HINT.format(folder)}`"
+            f"data_dir {str(folder)!r} {what}; create it with `{_prepare_command(folder)}`"
         )
-    rerun = f"re-create the dataset with `{PREPARE_HINT.format(folder)} --overwrite true`"
+    rerun = f"re-create the dataset with `{_prepare_command(folder)} --overwrite true`"
     try:
         meta = json.loads(meta_path.read_text())
         version, shards, vocab_size = meta["format_version"], meta["shards"], meta["vocab_size"]
@@ -431,6 +435,10 @@ def read_meta(data_dir: str | Path) -> dict[str, Any]:
                 f"{shard['max_token_id']} (vocab_size {vocab_size}); {rerun}"
             )
     return meta
+
+
+def _prepare_command(output_dir: str | Path, inputs: str | Path = "<text files or folders>") -> str:
+    return f"python -m lightning_train prepare --inputs '[{inputs}]' --output_dir {output_dir}"
 
 
 def _sampled_max(tokens: np.ndarray, budget: int = 1 << 18, chunk: int = 1 << 12) -> int:
