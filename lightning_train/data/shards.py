@@ -116,7 +116,9 @@ def prepare(
         tokenizer: ``"byte"`` or the path of a Hugging Face ``tokenizer.json`` (see ``load_tokenizer``).
         val_fraction: share of tokens held out for validation, in [0, 1).
         jsonl_field: the field of each JSONL record that holds the document text.
-        num_workers: tokenizer processes; ``None`` uses every available core, 0 or 1 tokenizes in-process.
+        num_workers: tokenizer processes, at most one per core this process may run on
+            (``os.sched_getaffinity``): a larger number is lowered to that; ``None`` uses every such core,
+            0 or 1 tokenizes in-process.
         shard_tokens: tokens per shard file.
         overwrite: replace the dataset an earlier ``prepare`` wrote in ``output_dir`` (a folder with
             its ``meta.json``) instead of refusing; any other non-empty folder, or a file, is refused.
@@ -161,12 +163,11 @@ def prepare(
         )
     if shard_tokens < 1:
         raise UserInputError(f"shard_tokens={shard_tokens} must be positive; the default is 50_000_000")
-    if num_workers is None:
-        num_workers = (
-            len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        )
-    if num_workers < 0:
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if num_workers is not None and num_workers < 0:
         raise UserInputError(f"num_workers={num_workers} is negative; use 0 to tokenize in this process")
+    # More processes than cores gain nothing and cost memory each (a million would take the machine down)
+    num_workers = cores if num_workers is None else min(num_workers, cores)
     check_tokenizer_choice(tokenizer, train_tokenizer, vocab_size)
     started = time.perf_counter()
     remote = str(output_dir) if is_remote(output_dir) else None
