@@ -145,6 +145,19 @@ def refused_write_of(error: BaseException | None) -> OSError | None:
     return os_error if os_error is not None and os_error.errno in refused else None
 
 
+def ended_by_a_write(error: BaseException) -> bool:
+    """Whether ``error`` is (or happened during) a write the file system refused: after it, a run writes
+    nothing more (another write would fail the same way, or take the last free bytes)."""
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        if isinstance(current, WriteFailedError):
+            return True
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return refused_write_of(error) is not None
+
+
 def os_error_of(error: BaseException | None) -> OSError | None:
     """The ``OSError`` that ``error`` is or happened during (torch's writers wrap it), else None."""
     seen: set[int] = set()

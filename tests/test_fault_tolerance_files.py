@@ -20,12 +20,8 @@ from lightning_train.checkpoint import (
     resolve_resume,
     verify_checkpoint,
 )
-from lightning_train.checkpoint.format import (
-    atomic_checkpoint_dir,
-    begin_checkpoint_dir,
-    manifest_path,
-    read_manifest,
-)
+from lightning_train.checkpoint.atomic import atomic_checkpoint_dir, begin_checkpoint_dir
+from lightning_train.checkpoint.format import manifest_path, read_manifest
 from lightning_train.errors import CorruptCheckpointError, IncompatibleCheckpointError, UserInputError
 from lightning_train.models.gpt import GPTConfig
 

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from lightning_train.checkpoint import find_resume_checkpoint, read_checkpoint
+from lightning_train.checkpoint import find_resume_checkpoint
+from lightning_train.checkpoint.format import read_manifest
 from tests.conftest import run_cli_in_process
 from tests.helpers.ft_runs import MAX_STEPS, write_config
 from tests.helpers.full_disk import small_disk
@@ -23,6 +24,8 @@ CASES = {  # (how the disk fails after step 4, bytes left, extra arguments, the 
     "full": ("full", 40_000, (), f"cannot write {{run}}/{CHECKPOINT_AT_6}: no space left on the device"),
     "full-async": ("full", 40_000, ("--async_checkpoint", "true"),
                    f"cannot write {{run}}/{CHECKPOINT_AT_6}: no space left on the device"),
+    "full-sharded": ("full", 40_000, ("--trainer.strategy", "lt_fsdp"),  # a DCP folder per checkpoint
+                     f"cannot write {{run}}/{CHECKPOINT_AT_6}: no space left on the device"),
     "read-only": ("read_only", 0, (),
                   f"cannot write {{run}}/{CHECKPOINT_AT_6}: the file system is read-only"),
     # the metrics of step 4's validation no longer fit: Lightning's CSV logger fails, not a checkpoint
@@ -61,7 +64,7 @@ def test_a_disk_that_fails_mid_run_ends_it_in_one_line_and_loses_nothing(
         assert files_named(disk, "*.partial") == []  # nothing half-written keeps the disk full
 
         newest = find_resume_checkpoint(run / "checkpoints")  # verified against its manifest
-        assert newest is not None and read_checkpoint(newest)["global_step"] == 3
+        assert newest is not None and read_manifest(newest)["global_step"] == 3
         goodput = json.loads((run / "version_0" / "goodput.json").read_text())
         assert goodput["launches"][-1]["state"] == "training"  # not rewritten as "stopped" after the failure
 
@@ -73,4 +76,4 @@ def test_a_disk_that_fails_mid_run_ends_it_in_one_line_and_loses_nothing(
                                      "--resume", "auto", *extra, cwd=tmp_path)
         assert resumed.returncode == 0, resumed.stderr[-3000:]
         assert f"--resume auto: resuming from {newest}" in resumed.stderr + resumed.stdout
-        assert read_checkpoint(run / "checkpoints" / "last.ckpt")["global_step"] == MAX_STEPS
+        assert read_manifest(run / "checkpoints" / "last.ckpt")["global_step"] == MAX_STEPS

@@ -44,7 +44,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning_train.callbacks._common import is_logging_step, log_metrics
 from lightning_train.callbacks.nan_recovery import NaNRecovery
 from lightning_train.callbacks.run_summary import log_dir_of
-from lightning_train.errors import TrainingAborted, UserInputError, os_error_of
+from lightning_train.errors import TrainingAborted, UserInputError, ended_by_a_write
 from lightning_train.loggers.goodput import (
     PARTS,
     LiveRecord,
@@ -236,7 +236,7 @@ class Goodput(Callback):
         if isinstance(error, TrainingAborted):  # NaNRecovery restored its snapshot before giving up
             self._roll_back()
         # after a write the file system refused (a full disk), nothing more is written
-        self._finish("stopped", write=os_error_of(error) is None)
+        self._finish("stopped", write=not ended_by_a_write(error))
 
     def _finish(self, state: str, write: bool = True) -> None:
         self._note_rollback()

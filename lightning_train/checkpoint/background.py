@@ -2,7 +2,7 @@
 
 Training blocks only for the copy to host memory; serialising, hashing, fsync, the rename and the manifest
 happen in the ``BackgroundWriter``'s thread, one checkpoint after another in the order they were asked
-for. The atomic protocol of ``format.py`` is unchanged: a checkpoint is complete only once its manifest
+for. The atomic protocol of ``atomic.py`` is unchanged: a checkpoint is complete only once its manifest
 exists, and the manifest is written last, after the data is on disk. A process killed mid-write leaves
 the previous checkpoint as the newest valid one.
 

@@ -1,6 +1,6 @@
 """``AtomicCheckpointIO``: the Trainer's CheckpointIO plugin that writes checkpoints atomically with a
-manifest and loads them verified and safely (the protocol is in ``checkpoint/format.py``), and with
-``async_save=True`` writes them in the background (``checkpoint/background.py``).
+manifest and loads them verified and safely (the protocol is in ``checkpoint/format.py`` and
+``atomic.py``), and with ``async_save=True`` writes them in the background (``background.py``).
 
 Retention ("keep the last K") is left to ``ModelCheckpoint``, which knows which files it still tracks
 as best: ``ModelCheckpoint(monitor="step", mode="max", save_top_k=K, every_n_train_steps=N)`` keeps
@@ -19,6 +19,7 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 import lightning_train.checkpoint.remote as remote
 import lightning_train.storage as storage
 from lightning_train._compat import PathLike
+from lightning_train.checkpoint.atomic import checkpoint_write_failed, write_checkpoint_file
 from lightning_train.checkpoint.background import BackgroundWriter
 from lightning_train.checkpoint.format import (
     FORMAT_KEY,
@@ -26,12 +27,10 @@ from lightning_train.checkpoint.format import (
     MANIFEST_SUFFIX,
     PARTIAL_SUFFIX,
     check_format_version,
-    checkpoint_write_failed,
     is_sharded_checkpoint,
     read_checkpoint,
     sharded_folder_error,
     verify_checkpoint,
-    write_checkpoint_file,
 )
 from lightning_train.errors import UserInputError
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import io
 import pickle
-import shutil
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -31,11 +30,9 @@ from torch.distributed.checkpoint.metadata import Metadata
 import lightning_train.checkpoint.remote as remote
 import lightning_train.storage as storage
 from lightning_train._compat import METADATA_FILENAME, TORCH_LAYOUT_GLOBAL
+from lightning_train.checkpoint.atomic import begin_checkpoint_dir, write_checkpoint_dir
 from lightning_train.checkpoint.background import BackgroundWriter
 from lightning_train.checkpoint.format import (
-    begin_checkpoint_dir,
-    checkpoint_write_failed,
-    commit_checkpoint_dir,
     is_sharded_checkpoint,
     load_torch_file,
     sharded_folder_error,
@@ -255,34 +252,17 @@ def save_sharded_checkpoint(
     staging = begin_checkpoint_dir(path, is_writer, barrier)
     if is_writer:
         torch.save(checkpoint, staging / METADATA_FILENAME)
+    def write(staged: dict[str, Any], group: Any = None) -> None:
+        # DCP's coordinator (rank 0) returns once every rank's shard and the .metadata are written
+        write_checkpoint_dir(lambda folder: save(staged, checkpoint_id=str(folder), process_group=group),
+                             staging, path, is_writer, step, epoch, staged)
+
     if writer is None:
-        # collective: returns when every rank's shard is written (or raises on every rank)
-        _save_and_commit(save, state, staging, path, is_writer, step, epoch, None)
+        write(state)  # collective: returns when every rank's shard is written (or raises on every rank)
         barrier()
         return
+    writer.submit(step, state, lambda staged: write(staged, process_group))
 
-    def write(staged: dict[str, Any]) -> None:
-        _save_and_commit(save, staged, staging, path, is_writer, step, epoch, process_group)
-
-    writer.submit(step, state, write)
-
-
-def _save_and_commit(save: Callable[..., Any], state: dict[str, Any], staging: Path, path: Path,
-                     is_writer: bool, step: int | None, epoch: int | None, process_group: Any) -> None:
-    """DCP's save into ``staging``, then (on the writer) the commit; a failed write (a full disk) removes
-    the staging folder and leaves the previous checkpoint at ``path`` as it was."""
-    try:
-        # DCP's coordinator (rank 0) returns once every rank's shard and the .metadata are written
-        save(state, checkpoint_id=str(staging), process_group=process_group)
-        if is_writer:
-            commit_checkpoint_dir(staging, path, step, epoch)
-    except Exception as error:
-        if is_writer:
-            shutil.rmtree(staging, ignore_errors=True)
-        failed = checkpoint_write_failed(path, error, state)
-        if failed is None:
-            raise
-        raise failed from error
 
 
 def load_sharded_checkpoint(
