@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
 from lightning_train._compat import process_group_store
-from lightning_train.errors import TrainingAborted, UserInputError
+from lightning_train.errors import TrainingAborted, UserInputError, refused_write_of, remedy, write_failed
 
 _REPORTED_KEY = "lightning_train/failure_reported"
 _CODE_KEY = "lightning_train/failure_exit_code"
@@ -104,3 +105,15 @@ def reported_cause(error: BaseException) -> UserInputError | TrainingAborted | N
         seen.add(id(current))
         current = current.__cause__ or current.__context__
     return None
+
+
+def write_failure(error: BaseException, log_dir: Path, subcommand: str | None) -> UserInputError | None:
+    """One ``WriteFailedError`` line for a write the file system refused (a full or read-only disk) that
+    ended a run, naming the file (else the launch's log folder); None for anything else, and when the
+    error happened while an error of ours was being handled (a checkpoint that did not fit names itself)."""
+    refused = refused_write_of(error)
+    if refused is None or reported_cause(error) is not None:
+        return None
+    fix = f"{remedy(refused)} (or move the run to another disk with --trainer.default_root_dir)"
+    fix += " and continue the run with --resume auto" if subcommand == "fit" else " and run it again"
+    return write_failed(refused.filename or log_dir, refused, fix)

@@ -39,6 +39,7 @@ from lightning_train.callbacks import (
     StepAxisKeeper,
     TokenProgressBar,
 )
+from lightning_train.callbacks.run_summary import log_dir_of
 from lightning_train.checkpoint import (
     AtomicCheckpointIO,
     checkpoint_mismatch_error,
@@ -47,7 +48,7 @@ from lightning_train.checkpoint import (
     resolve_resume,
 )
 from lightning_train.checkpoint.format import safe_globals
-from lightning_train.cli._failure import first_process_of_node, reported_cause
+from lightning_train.cli._failure import first_process_of_node, write_failure
 from lightning_train.cli._parsers import PROG, SUBCOMMANDS, ParserConventions
 from lightning_train.cli.checks import check_seed_everything, check_trainer_arguments
 from lightning_train.cli.elastic import restart_resume, torchrun_layout
@@ -62,7 +63,7 @@ from lightning_train.cli.run_folder import (
 from lightning_train.cli.run_lock import RunLock
 from lightning_train.data.sft import SFTDataModule  # noqa: F401  (--data SFTDataModule finds imported ones)
 from lightning_train.data.text import TextDataModule  # noqa: F401
-from lightning_train.errors import UserInputError, refused_write_of, remedy, write_failed
+from lightning_train.errors import UserInputError
 from lightning_train.modules import FinetuneModule, PretrainModule  # noqa: F401  (--model PretrainModule)
 from lightning_train.plugins.precision import amp_for_precision_flag
 from lightning_train.storage import check_access, is_remote, join
@@ -297,7 +298,7 @@ class LightningTrainCLI(LightningCLI):
         except (RuntimeError, OSError) as error:
             # a checkpoint of another model shape, or a log file the disk refused: one line, not a traceback
             replacement = (checkpoint_mismatch_error(error, kwargs.get("ckpt_path"))
-                           or _write_failure(error, self.trainer, self.subcommand))
+                           or write_failure(error, log_dir_of(self.trainer), self.subcommand))
             if replacement is None:
                 raise
             raise replacement from error
@@ -310,18 +311,6 @@ class LightningTrainCLI(LightningCLI):
         lock, self.run_lock = self.run_lock, None
         if lock is not None:
             lock.release()
-
-
-def _write_failure(error: BaseException, trainer: Trainer, subcommand: str | None) -> UserInputError | None:
-    """One ``WriteFailedError`` line for a write the file system refused (a full or read-only disk) that
-    ended the run, naming the file (else the launch's log folder); None for anything else, and when the
-    error happened while an error of ours was being handled (a checkpoint that did not fit names itself)."""
-    refused = refused_write_of(error)
-    if refused is None or reported_cause(error) is not None:
-        return None
-    fix = f"{remedy(refused)} (or move the run to another disk with --trainer.default_root_dir)"
-    fix += " and continue the run with --resume auto" if subcommand == "fit" else " and run it again"
-    return write_failed(refused.filename or trainer.log_dir or trainer.default_root_dir, refused, fix)
 
 
 def _check_checkpoint_path(ckpt_path: str | None) -> None:
