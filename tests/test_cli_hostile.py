@@ -215,16 +215,15 @@ CASES: dict[str, Case | tuple[Case, pytest.MarkDecorator]] = {
     "report an empty folder": Case(["report", "empty"], ["no version_*/metrics.csv under 'empty'"]),
     "report a launch the run lacks": Case(
         ["report", "run", "--launch", "bogus"], ["launch 'bogus'", "version_0"]),
-    "report metrics that are not UTF-8": (
-        Case(["report", "broken"], ["metrics.csv", "UTF-8"], _write("broken/version_0/metrics.csv", b"\xff")),
-        _owned_elsewhere("loggers/launches.py", "a UnicodeDecodeError traceback, exit 1")),
-    "report metrics that are not numbers": (
-        Case(["report", "broken"], ["metrics.csv", "abc"],
-             _write("broken/version_0/metrics.csv", "step,train/loss\n1,abc\n")),
-        _owned_elsewhere("loggers/launches.py _read_launch", "a ValueError traceback (float('abc'))")),
-    "report metrics.csv that is a folder": (
-        Case(["report", "broken"], ["metrics.csv", "is a folder"], _folder("broken/version_0/metrics.csv")),
-        _owned_elsewhere("loggers/launches.py", "an IsADirectoryError traceback, exit 1")),
+    "report metrics that are not UTF-8": Case(
+        ["report", "broken"], ["metrics.csv holds byte 0xff, which is not UTF-8", "move broken/version_0"],
+        _write("broken/version_0/metrics.csv", b"\xff")),
+    "report metrics that are not numbers": Case(
+        ["report", "broken"], ["metrics.csv line 2: train/loss='abc' is not a number", "restore the file"],
+        _write("broken/version_0/metrics.csv", "step,train/loss\n1,abc\n")),
+    "report metrics.csv that is a folder": Case(
+        ["report", "broken"], ["metrics.csv is a folder", "move broken/version_0 out"],
+        _folder("broken/version_0/metrics.csv")),
     "dashboard a folder that holds no run": (
         Case(["dashboard", "--run_dir", "empty"], ["--run_dir 'empty'", "metrics.csv"]),
         _owned_elsewhere("loggers/dashboard.py", "exit 0, writing empty/wandb_dashboard.json with no "

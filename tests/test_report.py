@@ -273,3 +273,23 @@ def test_report_of_a_folder_with_only_a_validate_is_a_clear_error(tmp_path):
     with pytest.raises(UserInputError, match="no training launch to report: the folder holds only "
                                              "version_0: validate"):
         report(str(tmp_path))
+
+
+@pytest.mark.parametrize(("content", "says"), [
+    ("step,train/loss\n0,5.5\n1,5.0,4.0\n", "metrics.csv line 3 has more values than its header"),
+    ("step,train/loss\nnan,5.5\n", "metrics.csv line 2: step='nan' is not a number"),
+    ("step,train/loss\n0,5.5\n1,\x00\n", "metrics.csv line 3: train/loss='\\x00' is not a number"),
+])
+def test_report_of_a_damaged_metrics_file_names_its_line(tmp_path, content, says):
+    (tmp_path / "version_0").mkdir()
+    (tmp_path / "version_0" / "metrics.csv").write_text(content)
+    with pytest.raises(UserInputError, match="move .*version_0 out of the run folder") as refused:
+        report(str(tmp_path))
+    assert says in str(refused.value)
+
+
+def test_a_config_that_is_not_utf8_is_read_as_absent(tmp_path):
+    """Like one that is not YAML: the launch is then told apart by what it logged."""
+    _write_csv(tmp_path / "version_0" / "metrics.csv", [{"step": s, "train/loss": 5.0 - s} for s in range(3)])
+    (tmp_path / "version_0" / "config.yaml").write_bytes(b"trainer:\n  max_steps: caf\xe9\n")
+    assert report(str(tmp_path))["run"] == ["version_0"]

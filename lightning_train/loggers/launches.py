@@ -23,9 +23,11 @@ from __future__ import annotations
 
 import csv
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import yaml
 
@@ -77,11 +79,7 @@ class Launch:
 def read_launches(run_dir: str | Path) -> list[Launch]:
     """Every ``version_*/`` launch under ``run_dir``, oldest first, with each fit's parent linked."""
     run_dir = Path(run_dir)
-    folders = sorted((p.parent for p in run_dir.glob("version_*/metrics.csv")), key=_version_number)
-    if not folders:
-        raise UserInputError(f"no version_*/metrics.csv under {str(run_dir)!r}; pass the run folder "
-                             "(trainer.default_root_dir) of a run that logged with the CSV logger")
-    launches = [_read_launch(folder) for folder in folders]
+    launches = [_read_launch(path.parent) for path in metrics_files(run_dir, repr(str(run_dir)))]
     by_name = {launch.name: launch for launch in launches}
     for index, launch in enumerate(launches):
         if launch.kind != "fit":
@@ -154,16 +152,53 @@ def role_in_run(launch: Launch, chain: list[Launch], launches: list[Launch]) -> 
     return "logged nothing" if launch.kind == "empty" else "evaluation, not a training curve"
 
 
+def metrics_files(run_dir: Path, named: str) -> list[Path]:
+    """Each launch's ``version_*/metrics.csv`` under ``run_dir``, oldest launch first; a folder without
+    any is refused, calling it ``named``."""
+    files = sorted(run_dir.glob("version_*/metrics.csv"), key=lambda path: _version_number(path.parent))
+    if not files:
+        raise UserInputError(f"no version_*/metrics.csv under {named}; pass the run folder "
+                             "(trainer.default_root_dir) of a run that logged with the CSV logger")
+    return files
+
+
+@contextmanager
+def open_metrics(path: Path) -> Iterator[TextIO]:
+    """A launch's ``metrics.csv``, open for ``csv``; a file that cannot be read as one (a folder, bytes
+    that are not UTF-8, a NUL byte) is one error line naming it."""
+    try:
+        with path.open(encoding="utf-8", newline="") as f:
+            yield f
+    except IsADirectoryError as error:
+        raise UserInputError(f"{path} is a folder, not the CSV logger's file; {_fix(path)}") from error
+    except UnicodeDecodeError as error:  # its start counts from the chunk read, not from the file's start
+        byte = error.object[error.start]
+        raise UserInputError(f"{path} holds byte 0x{byte:02x}, which is not UTF-8; {_fix(path)}") from error
+    except (OSError, csv.Error) as error:
+        why = (error.strerror or str(error)) if isinstance(error, OSError) else f"not CSV: {error}"
+        raise UserInputError(f"cannot read {path} ({why}); {_fix(path)}") from error
+
+
+def _fix(metrics_csv: Path) -> str:
+    return (f"restore the file the CSV logger wrote, or move {metrics_csv.parent} out of the run folder to "
+            "leave that launch out")
+
+
 def _read_launch(folder: Path) -> Launch:
     points: dict[str, dict[int, float]] = {}
-    with (folder / "metrics.csv").open(newline="") as f:
-        for row in csv.DictReader(f):
+    path = folder / "metrics.csv"
+    with open_metrics(path) as f:
+        reader = csv.DictReader(f)
+        for row in reader:
+            if None in row:  # DictReader's key for the values past the header's names
+                raise UserInputError(f"{path} line {reader.line_num} has more values than its header; "
+                                     f"{_fix(path)}")
             if not row.get("step"):
                 continue
-            step = int(float(row.pop("step")))
+            step = int(_number(row, "step", path, reader.line_num, whole=True))
             for name, value in row.items():
-                if value not in ("", None) and name != "epoch":
-                    points.setdefault(name, {})[step] = float(value)
+                if value and name not in ("step", "epoch"):
+                    points.setdefault(name, {})[step] = _number(row, name, path, reader.line_num)
     config_file = folder / "config.yaml"
     config = _read_yaml(config_file) or {}
     return Launch(
@@ -172,6 +207,16 @@ def _read_launch(folder: Path) -> Launch:
         started=config_file.stat().st_mtime if config else None,
         ended=max(path.stat().st_mtime for path in folder.iterdir() if path.is_file()),
     )
+
+
+def _number(row: dict[str, str], name: str, path: Path, line: int, whole: bool = False) -> float:
+    """The value of ``name`` in ``row`` (line ``line`` of ``path``); ``whole``: as an int."""
+    try:
+        return int(float(row[name])) if whole else float(row[name])
+    except (ValueError, OverflowError) as error:  # int() of nan or inf among them
+        raise UserInputError(
+            f"{path} line {line}: {name}={row[name]!r} is not a number; {_fix(path)}"
+        ) from error
 
 
 def _kind(config: dict[str, Any], points: dict[str, dict[int, float]]) -> str:
@@ -188,8 +233,8 @@ def _read_yaml(path: Path) -> dict[str, Any] | None:
     if not path.is_file():
         return None
     try:
-        loaded = yaml.safe_load(path.read_text())
-    except yaml.YAMLError:  # e.g. Python-specific tags: not comparable, not needed
+        loaded = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (yaml.YAMLError, UnicodeDecodeError, OSError):  # e.g. Python-specific tags: read as if absent
         return None
     return loaded if isinstance(loaded, dict) else None
 
