@@ -224,22 +224,17 @@ CASES: dict[str, Case | tuple[Case, pytest.MarkDecorator]] = {
     "report metrics.csv that is a folder": Case(
         ["report", "broken"], ["metrics.csv is a folder", "move broken/version_0 out"],
         _folder("broken/version_0/metrics.csv")),
-    "dashboard a folder that holds no run": (
-        Case(["dashboard", "--run_dir", "empty"], ["--run_dir 'empty'", "metrics.csv"]),
-        _owned_elsewhere("loggers/dashboard.py", "exit 0, writing empty/wandb_dashboard.json with no "
-                         "per-group panel")),
-    "dashboard metrics that are not UTF-8": (
-        Case(["dashboard", "--run_dir", "broken"], ["metrics.csv", "UTF-8"],
-             _write("broken/version_0/metrics.csv", b"\xff\xfe")),
-        _owned_elsewhere("loggers/dashboard.py _logged_metrics", "a UnicodeDecodeError traceback, exit 1")),
-    "dashboard metrics.csv that is a folder": (
-        Case(["dashboard", "--run_dir", "broken"], ["metrics.csv", "is a folder"],
-             _folder("broken/version_0/metrics.csv")),
-        _owned_elsewhere("loggers/dashboard.py _logged_metrics", "an IsADirectoryError traceback, exit 1")),
-    "dashboard where its spec's name is a folder": (
-        Case(["dashboard", "--run_dir", "run"], ["wandb_dashboard.json", "is a folder"],
-             _folder("run/wandb_dashboard.json")),
-        _owned_elsewhere("loggers/dashboard.py dashboard", "an IsADirectoryError traceback, exit 1")),
+    "dashboard a folder that holds no run": Case(
+        ["dashboard", "--run_dir", "empty"], ["no version_*/metrics.csv under --run_dir 'empty'"]),
+    "dashboard metrics that are not UTF-8": Case(
+        ["dashboard", "--run_dir", "broken"], ["metrics.csv holds byte 0xff, which is not UTF-8", "restore"],
+        _write("broken/version_0/metrics.csv", b"\xff\xfe")),
+    "dashboard metrics.csv that is a folder": Case(
+        ["dashboard", "--run_dir", "broken"], ["metrics.csv is a folder", "move broken/version_0"],
+        _folder("broken/version_0/metrics.csv")),
+    "dashboard where its spec's name is a folder": Case(
+        ["dashboard", "--run_dir", "run"], ["run/wandb_dashboard.json is a folder", "move that folder away"],
+        _folder("run/wandb_dashboard.json")),
 }
 
 

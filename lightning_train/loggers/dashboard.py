@@ -18,7 +18,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from lightning_train.errors import UserInputError
+from lightning_train.errors import UserInputError, write_failed
+from lightning_train.loggers.launches import metrics_files, open_metrics
 
 STEP_METRIC = "trainer/global_step"
 NAMESPACES = ("train", "val", "health", "amp", "recovery", "perf")
@@ -127,8 +128,8 @@ def dashboard(entity: str | None = None, project: str | None = None, run_dir: st
     Args:
         entity: W&B entity (user or team) that owns the view.
         project: W&B project of the view (default: ``$WANDB_PROJECT`` or ``lightning_logs``).
-        run_dir: a run folder (``trainer.default_root_dir``); its logged metric names fill in the
-            per-group panels, and the JSON spec is written there.
+        run_dir: a run folder (``trainer.default_root_dir``, holding ``version_*/metrics.csv``); its
+            logged metric names fill in the per-group panels, and the JSON spec is written there.
         name: the view's name.
 
     Returns:
@@ -139,17 +140,25 @@ def dashboard(entity: str | None = None, project: str | None = None, run_dir: st
     if run_dir is not None and not folder.is_dir():
         raise UserInputError(f"--run_dir {run_dir!r} is not a folder; pass a run folder such as "
                              "runs/pretrain-tiny")
-    spec = dashboard_spec(name, entity, project, logged_metrics=_logged_metrics(folder) if run_dir else None)
-    spec["url"] = _save_workspace(spec)
+    logged = _logged_metrics(folder, f"--run_dir {run_dir!r}") if run_dir is not None else None
     path = folder / SPEC_FILE
-    path.write_text(json.dumps(spec, indent=2) + "\n")
+    if path.is_dir():  # before the view is saved on W&B: a refusal leaves nothing done
+        raise UserInputError(f"{path} is a folder; the dashboard spec is written there as a file: move "
+                             "that folder away")
+    spec = dashboard_spec(name, entity, project, logged_metrics=logged)
+    spec["url"] = _save_workspace(spec)
+    try:
+        path.write_text(json.dumps(spec, indent=2) + "\n")
+    except OSError as error:
+        raise write_failed(path, error, "pass a writable --run_dir") from error
     return spec
 
 
-def _logged_metrics(run_dir: Path) -> list[str]:
+def _logged_metrics(run_dir: Path, named: str) -> list[str]:
+    """The metric names (CSV columns) the run's launches logged; a folder that holds no run is refused."""
     names: set[str] = set()
-    for metrics_csv in run_dir.glob("version_*/metrics.csv"):
-        with metrics_csv.open(newline="") as f:
+    for metrics_csv in metrics_files(run_dir, named):
+        with open_metrics(metrics_csv) as f:
             names.update(next(csv.reader(f), []))
     return sorted(names)
 
