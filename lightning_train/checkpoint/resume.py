@@ -123,8 +123,7 @@ def find_resume_checkpoint(folder: str | Path) -> Path | str | None:
                            "checks they carry (zip CRCs, DCP's .metadata), so it is resumed from")
         _name_unranked(ranked[index + 1:])
         return candidate
-    _name_unranked(ranked)
-    return None
+    return None  # every one was tried, and named
 
 
 def _name_unranked(rest: list[tuple[Path | str, int | None]]) -> None:
