@@ -27,6 +27,7 @@ from tests.test_cli_errors import CONFIG, TINY
 from tests.test_tool_outputs import error_line, snapshot
 
 NOT_UTF8 = "caf\udce9"  # how Python hands over the argv bytes b"caf\xe9" (latin-1, not UTF-8)
+ALERT = b'{"time": 0, "step": 1, "level": "WARN", "title": "t", "text": "x"}\n'  # as send_alert writes it
 
 
 class Case(NamedTuple):
@@ -224,6 +225,21 @@ CASES: dict[str, Case | tuple[Case, pytest.MarkDecorator]] = {
     "report metrics.csv that is a folder": Case(
         ["report", "broken"], ["metrics.csv is a folder", "move broken/version_0 out"],
         _folder("broken/version_0/metrics.csv")),
+    "report alerts that are not UTF-8": Case(
+        ["report", "run"],
+        ["alerts.jsonl line 2 holds byte 0xff, which is not UTF-8", "move it out of run/version_0"],
+        _write("run/version_0/alerts.jsonl", ALERT + b"\xff\n")),
+    "report alerts that are not JSON": Case(
+        ["report", "run"],
+        ["run/version_0/alerts.jsonl line 2 is not JSON (Expecting value at column 1)", "restore the file"],
+        _write("run/version_0/alerts.jsonl", ALERT + b"not json\n")),
+    "report alerts that are JSON but no alert": Case(
+        ["report", "run"],
+        ["run/version_0/alerts.jsonl line 1 is not an alert (an object with step, level, title and text)"],
+        _write("run/version_0/alerts.jsonl", '{"step": "1"}\n')),
+    "report alerts.jsonl that is a folder": Case(
+        ["report", "run"], ["run/version_0/alerts.jsonl is a folder", "move it out of run/version_0"],
+        _folder("run/version_0/alerts.jsonl")),
     "dashboard a folder that holds no run": Case(
         ["dashboard", "--run_dir", "empty"], ["no version_*/metrics.csv under --run_dir 'empty'"]),
     "dashboard metrics that are not UTF-8": Case(

@@ -14,6 +14,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
+from lightning_train.errors import UserInputError
+
 if TYPE_CHECKING:
     import lightning as L
 
@@ -43,8 +45,40 @@ def send_alert(trainer: L.Trainer, title: str, text: str, level: AlertLevel = "W
 
 
 def read_alerts(log_dir: str | Path) -> list[dict]:
-    """The alerts a run wrote, oldest first (empty when there were none)."""
+    """The alerts a run wrote, oldest first (empty when there were none); a file that cannot be read as
+    one (a folder, bytes that are not UTF-8, a line that is not an alert's JSON) is one error line naming
+    it."""
     path = Path(log_dir) / ALERTS_FILE
-    if not path.exists():
+    try:
+        content = path.read_bytes()  # split before decoding, so an error can name its line
+    except FileNotFoundError:
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    except IsADirectoryError as error:
+        raise UserInputError(f"{path} is a folder, not the run's alerts file; {_fix(path)}") from error
+    except OSError as error:
+        raise UserInputError(f"cannot read {path} ({error.strerror or error}); {_fix(path)}") from error
+    return [_alert(line, path, number) for number, line in enumerate(content.splitlines(), 1) if line.strip()]
+
+
+def _alert(line: bytes, path: Path, number: int) -> dict:
+    """Line ``number`` of ``path``: one alert, as ``send_alert`` wrote it."""
+    try:
+        alert = json.loads(line.decode("utf-8"))
+    except UnicodeDecodeError as error:
+        byte = line[error.start]
+        raise UserInputError(f"{path} line {number} holds byte 0x{byte:02x}, which is not UTF-8; "
+                             f"{_fix(path)}") from error
+    except json.JSONDecodeError as error:
+        raise UserInputError(f"{path} line {number} is not JSON ({error.msg} at column {error.colno}); "
+                             f"{_fix(path)}") from error
+    # the four fields a report shows: without them it would fail later, with a traceback
+    if not (isinstance(alert, dict) and isinstance(alert.get("step"), int)
+            and all(isinstance(alert.get(key), str) for key in ("level", "title", "text"))):
+        raise UserInputError(f"{path} line {number} is not an alert (an object with step, level, title and "
+                             f"text); {_fix(path)}")
+    return alert
+
+
+def _fix(alerts_file: Path) -> str:
+    return (f"restore the file the run wrote, or move it out of {alerts_file.parent} to leave that launch's "
+            "alerts out")
