@@ -5,9 +5,7 @@ belong), text that is not UTF-8, config files that hold no options, and folders 
 Each case of the table is a command line, the state it finds (a workspace of small inputs, changed by the
 case's ``setup``), its exit code and what its one ``error:`` line must say (the value and the fix). Every
 command runs in this process (``run_cli_in_process``) and must end with that exit code, exactly one
-``error:`` line and no traceback, leaving every file of the workspace as it was and writing nothing.
-Cases marked ``xfail`` are defects of files owned elsewhere (the reason names the file); each states what
-the command should answer, so the mark fails once the defect is fixed and can then go."""
+``error:`` line and no traceback, leaving every file of the workspace as it was and writing nothing."""
 
 from __future__ import annotations
 
@@ -62,11 +60,7 @@ def _folder(path: str) -> Callable[[Path], object]:
     return lambda workspace: (workspace / path).mkdir(parents=True)
 
 
-def _owned_elsewhere(file: str, gives: str) -> pytest.MarkDecorator:
-    return pytest.mark.xfail(reason=f"defect of {file}: {gives}", strict=True)
-
-
-CASES: dict[str, Case | tuple[Case, pytest.MarkDecorator]] = {
+CASES: dict[str, Case] = {
     # ---- the Trainer subcommands' arguments: types, ranges, unknown options, classes -----------------
     "fit batch_size not an int": Case(
         _fit("--data.init_args.batch_size", "abc"), ["--data.batch_size=abc", "use an int"]),
@@ -289,15 +283,7 @@ def workspace(template: Path, tmp_path: Path) -> Path:
     return tmp_path / "ws"
 
 
-def _params() -> list:
-    params = []
-    for name, entry in CASES.items():
-        case, mark = (entry, None) if isinstance(entry, Case) else entry
-        params.append(pytest.param(case, id=name, marks=[mark] if mark else []))
-    return params
-
-
-@pytest.mark.parametrize("case", _params())
+@pytest.mark.parametrize("case", CASES.values(), ids=list(CASES))
 def test_hostile_input_is_one_error_line_and_nothing_changes(workspace: Path, case: Case) -> None:
     if case.setup is not None:
         case.setup(workspace)
