@@ -29,5 +29,5 @@ __getattr__, __dir__ = lazy_exports(globals(), {
     "default_corpus_dir": "lightning_train.data.default_corpus",
     "load_tokenizer": "lightning_train.data.tokenizers",
     "prepare": "lightning_train.data.shards",
-    "read_meta": "lightning_train.data.shards",
+    "read_meta": "lightning_train.data.meta",
 })

@@ -10,7 +10,8 @@ import os
 import platform
 from pathlib import Path
 
-from lightning_train.data.shards import FORMAT_VERSION, prepare
+from lightning_train.data.meta import FORMAT_VERSION
+from lightning_train.data.shards import prepare
 from lightning_train.data.sources import stdlib_sources
 from lightning_train.errors import UserInputError, WriteFailedError, write_failed
 

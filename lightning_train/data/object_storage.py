@@ -1,6 +1,6 @@
 """Prepared datasets on object storage: ``prepare --output_dir s3://...`` and ``data_dir: s3://...``.
 
-A dataset folder is complete when its ``meta.json`` is (``shards.read_meta`` checks every shard's size
+A dataset folder is complete when its ``meta.json`` is (``meta.read_meta`` checks every shard's size
 against it). On object storage ``meta.json`` is therefore uploaded last: a ``prepare`` cut short leaves
 no dataset, and an overwrite first removes the old ``meta.json``, so no reader ever mixes old and new
 shards. Training reads shards through ``np.memmap``, which needs local files: a remote dataset is

@@ -23,9 +23,9 @@ from torch.utils.data import Dataset
 
 from lightning_train.data.default_corpus import cache_dir, default_corpus_dir
 from lightning_train.data.loading import ResumableDataModule, check_at_least, check_seed
+from lightning_train.data.meta import read_meta, tokenizer_spec
 from lightning_train.data.mixture import LabeledSources, MixtureWindows
 from lightning_train.data.object_storage import local_dataset
-from lightning_train.data.shards import read_meta, tokenizer_spec
 from lightning_train.data.tokenizers import Tokenizer, load_tokenizer
 from lightning_train.errors import UserInputError
 from lightning_train.storage import is_remote
