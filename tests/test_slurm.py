@@ -86,11 +86,13 @@ class Job:
         self.wait_until(f"both ranks at step {PREEMPT_AFTER}", lambda _: all(map(Path.exists, markers)), 240)
 
     def rerun_now(self, *updates: str) -> None:
-        """Once requeued, start it at once: SLURM holds a requeued job (here about 2 minutes) before it
-        becomes eligible again."""
+        """Once requeued, start it soon: SLURM holds a requeued job (here about 2 minutes) before it
+        becomes eligible again. Not in the same second: slurmd revoked the job's credential when it ended
+        the first launch and refuses one created in that second too ("Job credential revoked": the job
+        FAILED), so the rerun starts 2 s on."""
         info = self.wait_until("requeued", lambda i: i["JobState"] == "PENDING" and i["Restarts"] != "0", 120)
         assert info["Restarts"] == "1"
-        self.cluster.command("scontrol", "update", f"JobId={self.id}", "StartTime=now", *updates)
+        self.cluster.command("scontrol", "update", f"JobId={self.id}", "StartTime=now+2", *updates)
 
     def tail(self) -> str:
         text = self.log.read_text() if self.log.exists() else "(no log)"

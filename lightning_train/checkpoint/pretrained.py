@@ -32,7 +32,7 @@ from lightning_train.checkpoint.model_folder import (
     is_our_export,
     read_gpt_config,
 )
-from lightning_train.data.shards import tokenizer_spec
+from lightning_train.data.meta import tokenizer_spec
 from lightning_train.data.tokenizers import ByteTokenizer
 from lightning_train.errors import CorruptCheckpointError, UserInputError
 from lightning_train.models.gpt import GPT, GPTConfig
