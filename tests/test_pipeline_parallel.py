@@ -154,6 +154,20 @@ def test_pipeline_under_amp_accumulation_and_activation_checkpointing(tmp_path):
         torch.testing.assert_close(report["grad_norms"], reference["grad_norms"], rtol=1e-3, atol=0)
 
 
+def test_nan_recovery_judges_the_norm_of_all_stages(tmp_path, single):
+    """NaNRecovery alone under pp=2 (no GradNormMonitor to share a measurement with): the gradient norm it
+    judges each step is the whole model's, the one-process run's, not one stage's."""
+    _, reference = single
+    reports, _ = _fit(
+        tmp_path, "pp", "--config", _config(tmp_path), "--trainer.devices=2", PARALLEL,
+        "--trainer.strategy.pipeline_parallel=2",
+        "--trainer.callbacks+=lightning_train.callbacks.NaNRecovery",
+    )
+    for report in reports:
+        assert len(report["judged_grad_norms"]) == len(reference["grad_norms"]) == 10
+        torch.testing.assert_close(report["judged_grad_norms"], reference["grad_norms"], rtol=1e-5, atol=0)
+
+
 def test_pipeline_checkpoints_move_between_layouts(tmp_path):
     """A pp=2 checkpoint at step 10 resumes under pp=2, on tp=2 and in one process, and a one-process
     checkpoint resumes under pp=2: each trains steps 10..14 with the losses of an uninterrupted one-process

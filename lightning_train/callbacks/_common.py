@@ -1,11 +1,9 @@
-"""Helpers shared by the callbacks: sending metrics to the loggers, "is this a logging step", local shards,
+"""Helpers shared by the callbacks: sending metrics to the loggers, "is this a logging step",
 how many ranks read different batches."""
 
 from __future__ import annotations
 
 import lightning as L
-import torch
-from torch.distributed.tensor import DTensor
 
 from lightning_train._compat import batches_that_stepped
 
@@ -27,11 +25,6 @@ def is_logging_step(trainer: L.Trainer, every: int | None = None, *, before_step
     (``on_train_batch_end``, where ``global_step`` already includes it)."""
     steps_done = trainer.global_step + 1 if before_step else trainer.global_step
     return steps_done % (every or trainer.log_every_n_steps) == 0
-
-
-def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's part of ``tensor``: the local shard of a DTensor (FSDP2), else the tensor itself."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def data_parallel_size(trainer: L.Trainer) -> int:

@@ -1,7 +1,7 @@
 """Host-memory snapshots of the training state, for ``NaNRecovery``'s rollbacks.
 
 A snapshot holds the LightningModule's ``state_dict`` tensors, every optimizer's state and
-hyper-parameters, the LR schedulers' and the precision plugin's (GradScaler's) state. Each rank keeps
+hyper-parameters, and the step object's state: the LR schedulers' and the GradScaler's. Each rank keeps
 its own local tensors: under FSDP2 these are the DTensors' local shards, so a snapshot costs every
 rank (parameters + optimizer state) / world_size of host memory — with AdamW, three copies of the
 (local) parameters. Host buffers are allocated once and refilled in place.
@@ -14,8 +14,10 @@ from typing import Any
 
 import lightning as L
 import torch
+from lightning.pytorch.utilities import rank_zero_info
 
-from lightning_train.callbacks._common import local_tensor
+from lightning_train.plugins.grad_norm import local_tensor
+from lightning_train.plugins.step import step_control
 
 
 class HostSnapshot:
@@ -26,8 +28,8 @@ class HostSnapshot:
         self.step: int | None = None
         self._model: dict[str, torch.Tensor] = {}
         self._optimizers: list[dict[str, Any]] = []
-        self._schedulers: list[dict[str, Any]] = []
-        self._precision: dict[str, Any] = {}
+        self._step_state: dict[str, Any] = {}  # StepControl.state_dict: LR schedulers, loss scale
+        self._reported_nbytes = 0
 
     @property
     def nbytes(self) -> int:
@@ -54,8 +56,11 @@ class HostSnapshot:
             groups = [{k: copy.deepcopy(v) for k, v in g.items() if k != "params"}
                       for g in optimizer.param_groups]
             self._optimizers.append({"state": states, "groups": groups})
-        self._schedulers = [copy.deepcopy(c.scheduler.state_dict()) for c in trainer.lr_scheduler_configs]
-        self._precision = copy.deepcopy(trainer.precision_plugin.state_dict())
+        self._step_state = copy.deepcopy(step_control(trainer).state_dict())
+        if self.nbytes > self._reported_nbytes:  # the first one, and once the optimizer state exists
+            self._reported_nbytes = self.nbytes
+            size = f"{self.nbytes / 2**20:.1f} MiB"
+            rank_zero_info(f"NaNRecovery: snapshots take {size} of host memory per rank")
 
     def restore(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self.step is None:
@@ -76,10 +81,7 @@ class HostSnapshot:
                             live[key] = copy.deepcopy(value)
                 for group, saved_group in zip(optimizer.param_groups, saved["groups"], strict=True):
                     group.update(copy.deepcopy(saved_group))
-        for config, state in zip(trainer.lr_scheduler_configs, self._schedulers, strict=True):
-            config.scheduler.load_state_dict(copy.deepcopy(state))
-        if self._precision:
-            trainer.precision_plugin.load_state_dict(copy.deepcopy(self._precision))
+        step_control(trainer).load_state_dict(copy.deepcopy(self._step_state))
 
 
 def _params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:

@@ -54,7 +54,7 @@ from lightning_train.loggers.goodput import (
     total,
     write_goodput,
 )
-from lightning_train.plugins.step_control import StepControl, step_control
+from lightning_train.plugins.step import StepControl, step_control
 
 _ORDINARY_GAPS = 32  # recent gaps between batches without a save or validation, for their median
 _JSON_EVERY_S = 60.0  # goodput.json on logging steps at most this often (a rewrite costs ~0.5 ms)

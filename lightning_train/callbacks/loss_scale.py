@@ -15,12 +15,10 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.optim import Optimizer
 
-from lightning_train._compat import handles_amp_scaling
 from lightning_train.callbacks._common import is_logging_step, log_metrics
 from lightning_train.errors import UserInputError
 from lightning_train.loggers.alerts import send_alert
-from lightning_train.plugins.precision import AmpPrecision, loss_scale_tensor
-from lightning_train.plugins.step_control import step_control
+from lightning_train.plugins.step import step_control
 
 _COUNTERS = ("overflow_steps", "growth_count", "overflow_run", "longest_overflow_run")
 
@@ -85,15 +83,13 @@ class LossScaleMonitor(Callback):
         self._alerted: set[str] = set()
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        scaler = getattr(trainer.precision_plugin, "scaler", None)
-        if scaler is None or not scaler.is_enabled():
+        control = step_control(trainer)  # from now on, it holds the LR schedule over skipped steps
+        if control.scaler is None:
             rank_zero_info(
                 f"LossScaleMonitor: precision {trainer.precision!r} uses no loss scaling; nothing to log."
             )
             return
-        step_control(trainer)  # holds the LR schedule over the steps the scaler skips
-        fused = any(handles_amp_scaling(opt) for opt in trainer.optimizers)
-        if fused and not isinstance(trainer.precision_plugin, AmpPrecision):
+        if control.grads_stay_scaled():
             rank_zero_warn(
                 "LossScaleMonitor: with a fused optimizer, Lightning's MixedPrecision leaves gradients "
                 "scaled and advances the LR schedule over skipped steps; use "
@@ -103,7 +99,7 @@ class LossScaleMonitor(Callback):
     def on_before_optimizer_step(
         self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Optimizer
     ) -> None:
-        scale = loss_scale_tensor(trainer)
+        scale = step_control(trainer).loss_scale()
         if scale is not None:
             self._scale_before_step = scale.clone()  # update() changes the scale in place
 
@@ -113,7 +109,7 @@ class LossScaleMonitor(Callback):
         before, self._scale_before_step = self._scale_before_step, None
         if before is None:  # still accumulating gradients, or no scaler
             return
-        after = loss_scale_tensor(trainer)
+        after = step_control(trainer).loss_scale()
         overflow = (after < before).long()  # the scaler backs off exactly on the steps it skips
         counts = self._counts
         counts["overflow_steps"] = counts["overflow_steps"] + overflow

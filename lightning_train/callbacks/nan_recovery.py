@@ -14,18 +14,16 @@ The escalation ladder, checked at every optimizer step:
    checkpoint, write a forensic JSON, raise ``TrainingAborted`` (the CLI exits with code 3).
 
 With ``rerun=True`` a bad step is first rerun from the same state to tell a bad machine from a bad batch
-(``step_rerun``): a ``transient`` verdict (the rerun differs) saves the state and exits with code 77 on
-the faulty node, so a scheduler requeues the job without it; ``persistent`` and ``data`` go up the ladder.
+(``step_rerun``): ``transient`` (the rerun differs) saves the state and exits with code 77 on the faulty
+node, for a requeue without it; ``persistent`` and ``data`` go up the ladder.
 
-All ranks decide the same: the step's loss, gradient norm and the scaler's overflow flag are averaged
-over ranks in one all-reduce of three numbers and read on the host once. Overflows the GradScaler
-handles itself (finite loss, inf/NaN scaled gradients) are left to it and counted by it.
+All ranks decide the same: the step's loss, gradient norm (the step's one measurement, over every shard
+and stage) and the scaler's overflow flag are averaged over ranks in one all-reduce and read on the host
+once. Overflows the GradScaler handles itself (finite loss, inf/NaN scaled gradients) are left to it.
 """
 
 from __future__ import annotations
 
-import base64
-import json
 import math
 from collections import deque
 from pathlib import Path
@@ -34,31 +32,29 @@ from typing import Any
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities import rank_zero_info
 from torch.optim import Optimizer
 
-import lightning_train.storage as storage
-from lightning_train._compat import found_inf_per_device, handles_amp_scaling
 from lightning_train.callbacks._common import data_parallel_size, is_logging_step, log_metrics
 from lightning_train.callbacks._data_skip import skip_train_batches
+from lightning_train.callbacks._forensics import save_with_forensics
 from lightning_train.callbacks._snapshot import HostSnapshot
-from lightning_train.callbacks.grad_norm import GradNormMonitor
-from lightning_train.callbacks.rng_state import rng_states
 from lightning_train.callbacks.step_rerun import StepRerun, Verdict, exit_faulty_node
 from lightning_train.errors import TrainingAborted, UserInputError
 from lightning_train.loggers.alerts import send_alert
-from lightning_train.plugins.precision import AmpPrecision, loss_scale_tensor
-from lightning_train.plugins.step_control import step_control
+from lightning_train.plugins.step import step_control
 
-FORENSICS_FILE = "nan_recovery_forensics.json"
 _HISTORY = 64  # bad steps, recent steps and events kept for the forensic report
+_SETTINGS = ("spike_threshold", "window", "min_window", "grad_norm_spikes", "max_consecutive_skips",
+             "max_skips_in_window", "skip_window", "snapshot_every", "skip_batches", "lr_scale",
+             "lr_scale_steps", "max_rollbacks", "rerun", "rerun_every", "rerun_tolerance")  # for forensics
+_HISTORIES = ("losses", "norms", "recent_skips", "bad_steps", "recent", "events")  # deques in state_dict
 
 
 class NaNRecovery(Callback):
     """Detects non-finite and spiking steps and escalates: skip → roll back and skip data → abort.
 
-    With a ``GradNormMonitor`` among the callbacks (anywhere in the list) it shares that step's norms
-    (one measurement, its groups in the forensic report); without one it measures the total norm itself.
+    It judges the step's gradient norm as the Trainer measures it once a step (``step_control(trainer).
+    grad_norms()``): a ``GradNormMonitor``'s groups in the forensic report when there is one.
 
     Args:
         spike_threshold: z-score above which a loss is a spike; ``inf`` turns spike detection off.
@@ -182,20 +178,16 @@ class NaNRecovery(Callback):
         self._events: deque[dict[str, Any]] = deque(maxlen=_HISTORY)
         # ---- per-run, not state ----
         self.snapshot = HostSnapshot()
-        self._norm_source = GradNormMonitor(groups=1)
         self._step_loss: torch.Tensor | None = None
         self._escalate = False
         self._step_rerun = StepRerun(rerun_tolerance, rerun_every) if self.rerun else None
         self._faulty: Verdict | None = None  # a transient verdict: checkpoint and exit at the batch's end
         self._trained_since_snapshot = False  # a snapshot of an unchanged state would only relabel it
-        self._reported_nbytes = 0
 
     # ---- Lightning hooks ------------------------------------------------------------------------
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        scaler = getattr(trainer.precision_plugin, "scaler", None)
-        fused = any(handles_amp_scaling(opt) for opt in trainer.optimizers)
-        ours = isinstance(trainer.precision_plugin, AmpPrecision)
-        if scaler is not None and scaler.is_enabled() and fused and not ours:
+        control = step_control(trainer)
+        if control.grads_stay_scaled():
             raise UserInputError(
                 "NaNRecovery cannot skip steps of a fused optimizer under Lightning's 16-mixed "
                 "MixedPrecision (its gradients are still scaled in on_before_optimizer_step); use "
@@ -208,10 +200,7 @@ class NaNRecovery(Callback):
             )
         first, end = self._lr_scaled
         if end > first and self.lr_scale != 1:  # resumed inside a rollback's LR window
-            step_control(trainer).scale_lr(self.lr_scale, end - first, first_step=first)
-        # One norm measurement a step, shared with a GradNormMonitor wherever it sits in the list.
-        monitors = [c for c in trainer.callbacks if isinstance(c, GradNormMonitor)]
-        self._norm_source = monitors[0] if monitors else GradNormMonitor(groups=1)
+            control.scale_lr(self.lr_scale, end - first, first_step=first)
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._take_snapshot(trainer, pl_module)  # the starting (or resumed) state is the first good one
@@ -220,18 +209,15 @@ class NaNRecovery(Callback):
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         step = trainer.global_step
-        if step % self.snapshot_every == 0 and self._trained_since_snapshot and self._healthy():
+        healthy = self._consecutive == 0 and not self._escalate
+        if step % self.snapshot_every == 0 and self._trained_since_snapshot and healthy:
             self._take_snapshot(trainer, pl_module)
         if self._step_rerun is not None:
             self._step_rerun.record(trainer, batch, batch_idx)
 
-    def on_before_backward(
-        self, trainer: L.Trainer, pl_module: L.LightningModule, loss: torch.Tensor
-    ) -> None:
-        loss = loss.detach().float()
-        scale = loss_scale_tensor(trainer)
-        if scale is not None:  # the GradScaler has already multiplied the loss
-            loss = loss / scale
+    def on_before_backward(self, trainer: L.Trainer, pl_module: L.LightningModule, loss: torch.Tensor
+                           ) -> None:
+        loss = step_control(trainer).unscale_loss(loss.detach().float())  # the GradScaler multiplied it
         # With gradient accumulation Lightning has divided each loss by the number of batches: sum = mean.
         self._step_loss = loss if self._step_loss is None else self._step_loss + loss
 
@@ -241,9 +227,10 @@ class NaNRecovery(Callback):
         step, loss, self._step_loss = trainer.global_step, self._step_loss, None
         if loss is None:  # no backward this step (training_step returned None)
             return
-        norm = self._norm_source.step_norms(trainer, pl_module)["total"]
-        overflow = _found_inf(trainer, optimizer, loss)
-        stats = torch.stack([loss.reshape(()), norm.float().to(loss.device), overflow])
+        control = step_control(trainer)
+        norm = control.grad_norms()["total"]
+        overflow = control.overflowed(optimizer)
+        stats = torch.stack([loss.reshape(()), norm.float().to(loss.device), overflow.to(loss.device)])
         # One all-reduce (mean over ranks: a non-finite value anywhere stays non-finite) and one host read.
         loss_value, norm_value, overflow = trainer.strategy.reduce(stats, reduce_op="mean").tolist()
         self._recent.append([step, loss_value, norm_value])
@@ -289,12 +276,10 @@ class NaNRecovery(Callback):
             return f"gradient-norm spike ({norm:.4g}, z={z:.1f})"
         return None
 
-    def _skip(
-        self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Optimizer, reason: str,
-        loss: float, norm: float, verdict: Verdict | None = None,
-    ) -> None:
+    def _skip(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Optimizer, reason: str,
+              loss: float, norm: float, verdict: Verdict | None = None) -> None:
         step = trainer.global_step
-        norms = self._norm_source.step_norms(trainer, pl_module)  # this step's, measured before the skip
+        norms = step_control(trainer).grad_norms()  # this step's, measured before the skip
         # a host read on bad steps only: the per-group norms for the forensic report
         group_norms = dict(zip(norms, torch.stack(list(norms.values())).tolist(), strict=True))
         step_control(trainer).skip(optimizer)
@@ -350,9 +335,8 @@ class NaNRecovery(Callback):
             f"saved to {checkpoint}, forensics in {forensics}", checkpoint, forensics,
         )
 
-    def _stop_for_faulty_node(
-        self, trainer: L.Trainer, optimizer: Optimizer, reason: str, verdict: Verdict
-    ) -> None:
+    def _stop_for_faulty_node(self, trainer: L.Trainer, optimizer: Optimizer, reason: str,
+                              verdict: Verdict) -> None:
         step_control(trainer).skip(optimizer)  # the machine's result is not to be trusted: keep the state
         self._bad_steps.append({"step": trainer.global_step, "batch_idx": trainer.fit_loop.total_batch_idx,
                                 "reason": reason, "rerun": verdict.as_dict()})
@@ -366,82 +350,42 @@ class NaNRecovery(Callback):
         return self._step_rerun.runs if self._step_rerun is not None else 0
 
     def _save_with_forensics(self, trainer: L.Trainer, name: str, reason: str) -> tuple[Path | str, Path]:
-        """The current state as checkpoint ``name`` in the run's checkpoint folder (every rank: collective
-        when sharded) and the forensic report, written by rank zero."""
-        dirpath = getattr(trainer.checkpoint_callback, "dirpath", None)
-        folder = dirpath or Path(trainer.default_root_dir, "checkpoints")
-        # an s3:// folder stays a URL (Path would make it a local s3:/ folder)
-        checkpoint = storage.join(str(folder), name) if storage.is_remote(folder) else Path(folder) / name
-        forensics = Path(trainer.log_dir or trainer.default_root_dir) / FORENSICS_FILE
-        trainer.save_checkpoint(checkpoint, weights_only=False)
-        if trainer.is_global_zero:
-            forensics.parent.mkdir(parents=True, exist_ok=True)
-            report = _json_safe(self._forensics(trainer, reason, checkpoint))
-            forensics.write_text(json.dumps(report, indent=2))
-        return checkpoint, forensics
-
-    def _healthy(self) -> bool:
-        return self._consecutive == 0 and not self._escalate
+        settings = {key: getattr(self, key) for key in _SETTINGS}
+        return save_with_forensics(trainer, name, reason, self.state_dict(), settings)
 
     def _take_snapshot(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.snapshot.take(trainer, pl_module)
         self._trained_since_snapshot = False
-        size = self.snapshot.nbytes
-        if size > self._reported_nbytes:  # the first one, and once the optimizer state exists
-            self._reported_nbytes = size
-            rank_zero_info(f"NaNRecovery: snapshots take {size / 2**20:.1f} MiB of host memory per rank")
 
     def _event(self, step: int, action: str, detail: str) -> None:
         self._events.append({"step": step, "action": action, "detail": detail})
 
     def _log(self, trainer: L.Trainer) -> None:
-        metrics = {
-            "recovery/skipped_steps": self.skipped_steps, "recovery/spikes": self.spikes,
-            "recovery/rollbacks": self.rollbacks,
-            "recovery/skipped_batches": sum(batches for _, batches in self.skipped_data),
-        }
+        metrics = {"recovery/skipped_steps": self.skipped_steps, "recovery/spikes": self.spikes,
+                   "recovery/rollbacks": self.rollbacks,
+                   "recovery/skipped_batches": sum(batches for _, batches in self.skipped_data)}
         if self.rerun:  # a counter that can only stay 0 would be noise on every dashboard
             metrics["recovery/reruns"] = self.reruns
         log_metrics(trainer, metrics)
-
-    def _forensics(self, trainer: L.Trainer, reason: str, checkpoint: Path | str) -> dict[str, Any]:
-        return {
-            "step": trainer.global_step, "reason": reason, "checkpoint": str(checkpoint),
-            "snapshot_step": self.snapshot.step, "skipped_steps": self.skipped_steps, "spikes": self.spikes,
-            "rollbacks": self.rollbacks, "reruns": self.reruns, "bad_steps": list(self._bad_steps),
-            "recent_steps": [{"step": s, "loss": loss, "grad_norm": norm} for s, loss, norm in self._recent],
-            "skipped_data": self.skipped_data, "tried": list(self._events), "rng": rng_states(),
-            "settings": {k: getattr(self, k) for k in (
-                "spike_threshold", "window", "min_window", "grad_norm_spikes", "max_consecutive_skips",
-                "max_skips_in_window", "skip_window", "snapshot_every", "skip_batches", "lr_scale",
-                "lr_scale_steps", "max_rollbacks", "rerun", "rerun_every", "rerun_tolerance")},
-        }
 
     # ---- checkpointing --------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         return {
             "skipped_steps": self.skipped_steps, "spikes": self.spikes, "rollbacks": self.rollbacks,
-            "reruns": self.reruns, "skipped_data": self.skipped_data, "losses": list(self._losses),
-            "norms": list(self._norms),
-            "consecutive": self._consecutive, "recent_skips": list(self._recent_skips),
-            "lr_scaled": list(self._lr_scaled), "bad_steps": list(self._bad_steps),
-            "recent": list(self._recent), "events": list(self._events), "snapshot_step": self.snapshot.step,
+            "reruns": self.reruns, "skipped_data": self.skipped_data, "consecutive": self._consecutive,
+            "lr_scaled": list(self._lr_scaled), "snapshot_step": self.snapshot.step,
+            **{name: list(getattr(self, f"_{name}")) for name in _HISTORIES},
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.skipped_steps, self.spikes = state_dict["skipped_steps"], state_dict["spikes"]
-        self.rollbacks = state_dict["rollbacks"]
+        self.rollbacks, self._consecutive = state_dict["rollbacks"], state_dict["consecutive"]
         if self._step_rerun is not None:
             self._step_rerun.runs = state_dict.get("reruns", 0)  # older checkpoints: none
         self.skipped_data = [list(r) for r in state_dict["skipped_data"]]
-        self._losses.extend(state_dict["losses"])
-        self._norms.extend(state_dict["norms"])
-        self._consecutive = state_dict["consecutive"]
-        self._recent_skips.extend(state_dict["recent_skips"])
         self._lr_scaled = tuple(state_dict["lr_scaled"])
-        self._bad_steps.extend(state_dict["bad_steps"])
-        self._recent.extend(state_dict["recent"])
-        self._events.extend(state_dict["events"])
+        for name in _HISTORIES:
+            getattr(self, f"_{name}").extend(state_dict[name])
         # The host snapshot itself is not in checkpoints: on resume the restored state is the first one.
 
 
@@ -452,25 +396,3 @@ def _z_score(value: float, window: deque[float], min_window: int) -> float:
     std = math.sqrt(sum((x - mean) ** 2 for x in window) / len(window))
     return (value - mean) / max(std, 1e-3 * abs(mean), 1e-12)  # a floor, so a flat window does not flag noise
 
-
-def _found_inf(trainer: L.Trainer, optimizer: Optimizer, like: torch.Tensor) -> torch.Tensor:
-    """1.0 if the GradScaler has already found inf/NaN in this step's (scaled) gradients, else 0.0."""
-    scaler = getattr(trainer.precision_plugin, "scaler", None)
-    found = found_inf_per_device(scaler, optimizer) if scaler is not None else []
-    if not found:
-        return torch.zeros((), device=like.device)
-    return (sum(t.to(like.device) for t in found) > 0).float()
-
-
-def _json_safe(value: Any) -> Any:
-    """Non-finite floats as the strings "nan"/"inf"/"-inf" (strict JSON has no NaN), tensors (RNG states) as
-    base64 of their bytes."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)
-    if isinstance(value, torch.Tensor):
-        return base64.b64encode(value.numpy().tobytes()).decode()
-    if isinstance(value, dict):
-        return {k: _json_safe(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_json_safe(v) for v in value]
-    return value

@@ -41,11 +41,10 @@ from torch.optim import Optimizer
 
 from lightning_train._compat import logging_as_hook
 from lightning_train.callbacks._common import data_parallel_size
-from lightning_train.callbacks.grad_norm import GradNormMonitor
 from lightning_train.callbacks.preemption import PREEMPTED_EXIT_CODE
 from lightning_train.errors import FaultyNode
 from lightning_train.loggers.alerts import send_alert
-from lightning_train.plugins.precision import loss_scale_tensor
+from lightning_train.plugins.step import step_control
 
 FAULTY_NODE_EXIT_CODE = 77  # next to 75 (preempted) and 76 (hang): "requeue me, but not on this node"
 
@@ -166,23 +165,19 @@ class StepRerun:
         after = _rng_state()
         _set_rng_state(rng)
         total = torch.zeros((), device=trainer.strategy.root_device)
+        control = step_control(trainer)
         try:
             for p in params:
                 p.grad = None
-            scale = loss_scale_tensor(trainer)
             with logging_as_hook(pl_module, "training_step"):
                 for batch, batch_idx in batches:
                     output = trainer.strategy.training_step(batch, batch_idx)
                     loss = output["loss"] if isinstance(output, dict) else output
                     loss = loss / trainer.accumulate_grad_batches
-                    (loss * scale if scale is not None else loss).backward()
+                    control.scale_loss(loss).backward()
                     total = total + loss.detach().float()
-            if scale is not None:  # unscale as the GradScaler does: times the reciprocal (a power of 2)
-                inverse = scale.double().reciprocal().float()
-                for p in params:
-                    if p.grad is not None:
-                        p.grad.mul_(inverse.to(p.grad.device))
-            norm = GradNormMonitor(groups=1).step_norms(trainer, pl_module)["total"]
+            control.unscale_grads_([p.grad for p in params if p.grad is not None])
+            norm = control.measure_grad_norms()["total"]
         finally:
             _set_rng_state(after)
             for p, grad in zip(params, grads, strict=True):

@@ -26,6 +26,7 @@ from lightning_train.checkpoint.optimizer_state import name_optimizer_states, nu
 from lightning_train.errors import UserInputError
 from lightning_train.models.float8 import check_float8_device, convert_to_float8
 from lightning_train.models.gpt import GPT, GPTConfig, padded_vocab_size
+from lightning_train.plugins.step import step_control
 
 
 def warmup_cosine(step: int, warmup_steps: int, decay_steps: int, min_lr_ratio: float) -> float:
@@ -210,7 +211,8 @@ class PretrainModule(L.LightningModule):
         else:  # the strategy's schedule runs forward and backward of every microbatch (loss detached)
             accumulation = self.trainer.accumulate_grad_batches
             loss = pipeline.train_step(
-                batch["input_ids"], batch["labels"], self._loss, accumulation, scale=self._scale_loss,
+                batch["input_ids"], batch["labels"], self._loss, accumulation,
+                scale=step_control(self.trainer).scale_loss,
                 starts_step=batch_idx % accumulation == 0, ends_step=self._ends_step(batch_idx),
             )
         self._log_train_loss(loss, batch["labels"], batch_idx)
@@ -231,9 +233,12 @@ class PretrainModule(L.LightningModule):
         gradient_clip_val: float | None = None,
         gradient_clip_algorithm: str | None = None,
     ) -> None:
-        if self._pipeline() is not None and gradient_clip_val and gradient_clip_algorithm in (None, "norm"):
-            # Lightning's clipping would see this stage's gradients only: clip by the norm of all stages
-            self.trainer.strategy.clip_grad_norm_(gradient_clip_val)
+        control = step_control(self.trainer)
+        by_norm = gradient_clip_val and gradient_clip_algorithm in (None, "norm")
+        if by_norm and not control.grads_stay_scaled():  # scaled gradients: Lightning refuses to clip
+            # by the step's one norm measurement, over every shard and pipeline stage (Lightning's own
+            # clipping would measure again, and see this stage's gradients only)
+            control.clip_grad_norm_(gradient_clip_val)
             return
         super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
 
@@ -259,10 +264,6 @@ class PretrainModule(L.LightningModule):
     def _pipeline(self) -> Any:
         """The strategy's pipeline schedule under pipeline parallelism (``ParallelStrategy``), else None."""
         return getattr(self.trainer.strategy, "pipeline", None) if attached_trainer(self) else None
-
-    def _scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        scaler = getattr(self.trainer.precision_plugin, "scaler", None)  # fp16's GradScaler
-        return scaler.scale(loss) if scaler is not None else loss
 
     def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """``compute_loss`` as a plain tensor. A vocab-parallel loss is a replicated DTensor: every rank of

@@ -8,9 +8,9 @@
   leaves them scaled for fused AdamW, so callbacks and gradient clipping would see scaled values);
 * a step the scaler skips (inf/NaN gradients) holds the LR schedulers (Lightning advances them).
 
-The plugin owns the Trainer's step-control object (``self.step_control``, see
-``lightning_train.plugins.step_control``): the scaler's overflow steps and the steps a callback skips
-(``NaNRecovery``) are skipped through it, the same way.
+Whether the step is taken is not decided here: the plugin asks the Trainer's ``StepControl``
+(``lightning_train.plugins.step``), which skips the scaler's overflow steps and the steps a callback
+skipped (``NaNRecovery``) the same way.
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from torch.optim import LBFGS, Optimizer
 
-from lightning_train._compat import after_closure, found_inf_per_device, loss_scale_async
+from lightning_train._compat import after_closure
 from lightning_train.errors import UserInputError
-from lightning_train.plugins.step_control import StepControl, step_control
+from lightning_train.plugins.step import step_control
 
 
 class AmpPrecision(MixedPrecision):
@@ -56,6 +56,8 @@ class AmpPrecision(MixedPrecision):
         {torch.float32}
     """
 
+    unscales_fused_optimizers = True  # read by StepControl.grads_stay_scaled
+
     def __init__(
         self,
         precision: Literal["16-mixed", "bf16-mixed"] = "16-mixed",
@@ -80,35 +82,22 @@ class AmpPrecision(MixedPrecision):
                 growth_interval=growth_interval,
             )
         super().__init__(precision, device, scaler)
-        self.step_control = StepControl()
 
     def optimizer_step(  # type: ignore[override]
         self, optimizer: Optimizer, model: L.LightningModule, closure: Callable[[], Any], **kwargs: Any
     ) -> Any:
-        if isinstance(model, L.LightningModule):
-            step_control(model.trainer)  # hooked into this fit's optimizers and schedulers
         if self.scaler is None:  # bf16: nothing to unscale; Lightning's path (closure inside step())
             return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
         if isinstance(optimizer, LBFGS):
             raise UserInputError("AmpPrecision: 16-mixed loss scaling does not work with LBFGS; use 32-true")
+        control = step_control(model.trainer)
         closure_result = closure()
         if closure_result is None and model.automatic_optimization:  # training_step returned None
             after_closure(self, model, optimizer)
             return None
-        self.scaler.unscale_(optimizer)  # before the hooks, fused optimizers included
+        control.unscale_(optimizer)  # before the hooks, fused optimizers included
         after_closure(self, model, optimizer)  # on_before_optimizer_step callbacks, then clipping
-        if self.step_control.skipped(optimizer):
-            # Skipped by a callback (NaNRecovery): the scaler stays exactly as it was (scale, growth tracker).
-            self.scaler.update(loss_scale_async(self.scaler))
-            return None
-        found_inf = sum(found_inf_per_device(self.scaler, optimizer))
-        if found_inf.item():  # the one host read; FSDP2's DTensor grads reduce found_inf over the mesh
-            self.step_control.skip(optimizer)
-            self.scaler.update()  # backs the scale off
-            return None
-        output = optimizer.step(**kwargs)  # gradients are unscaled and finite: a plain step (fused too)
-        self.scaler.update()
-        return output
+        return control.take_step(optimizer, **kwargs)
 
     def clip_gradients(
         self,
@@ -128,11 +117,3 @@ def amp_for_precision_flag(precision: Any, accelerator: Any) -> AmpPrecision | N
     on_cpu = accelerator == "cpu" or isinstance(accelerator, CPUAccelerator) or not torch.cuda.is_available()
     return AmpPrecision("16-mixed", "cpu" if on_cpu else "cuda")
 
-
-def loss_scale_tensor(trainer: L.Trainer) -> torch.Tensor | None:
-    """The current loss scale of the Trainer's GradScaler as a 0-d device tensor (no host sync), or
-    None without an enabled scaler (fp32, bf16) or before its first ``scale()``."""
-    scaler = getattr(trainer.precision_plugin, "scaler", None)
-    if scaler is None or not scaler.is_enabled():
-        return None
-    return loss_scale_async(scaler)  # GradScaler has no public sync-free accessor

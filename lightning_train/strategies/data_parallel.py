@@ -41,6 +41,7 @@ from lightning_train._compat import (
 )
 from lightning_train.checkpoint.format import is_sharded_checkpoint
 from lightning_train.errors import UserInputError
+from lightning_train.plugins.step import step_control
 from lightning_train.storage import as_path
 from lightning_train.strategies.memory import (
     GiB,
@@ -293,12 +294,9 @@ class DataParallelStrategy(ModelParallelStrategy):
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
         """Clip the gradients of all parameters to a total ``norm_type`` norm of ``max_norm`` and return
-        the norm before clipping, the same on every rank (``Trainer(gradient_clip_val=...)`` goes through
-        torch's ``clip_grad_norm_`` too, which handles FSDP2's sharded DTensor gradients)."""
-        norm = torch.nn.utils.clip_grad_norm_(
-            self.lightning_module.parameters(), max_norm, norm_type=norm_type
-        )
-        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        the norm before clipping, the same on every rank: the norm over every shard and pipeline stage,
+        the step's one measurement (``lightning_train.plugins.step``), which ``gradient_clip_val`` uses."""
+        return step_control(self.lightning_module.trainer).clip_grad_norm_(max_norm, norm_type)
 
     # ---- checkpoints --------------------------------------------------------------------------------
     def lightning_module_state_dict(self) -> dict[str, Any]:

@@ -357,20 +357,6 @@ class ParallelStrategy(DataParallelStrategy):
         with self._loss_context():
             return super().test_step(*args, **kwargs)
 
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
-        if self.pipeline is None:
-            return super().clip_grad_norm_(max_norm, norm_type)
-        # the norm over all stages (Lightning's clipping sees this rank's stage only)
-        params = [p for p in self.lightning_module.parameters() if p.grad is not None]
-        counted = [p.grad for p in params if not self.pipeline.is_tied_copy(p)]
-        norm = self.pipeline.total_norm(counted, norm_type)
-        coefficient = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-        with torch.no_grad():
-            for param in params:
-                grad = param.grad
-                (grad.to_local() if hasattr(grad, "to_local") else grad).mul_(coefficient)
-        return norm
-
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
         if self.pipeline is None:
             with self._loss_context():

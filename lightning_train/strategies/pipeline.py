@@ -18,7 +18,6 @@ gradients, and the loss returned, are those of one process on the whole batch.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -356,18 +355,6 @@ class Pipeline:
     def is_tied_copy(self, param: Tensor) -> bool:
         """Whether ``param`` is the last stage's copy of a tied embedding (left out of gradient norms)."""
         return param is self._tied_copy
-
-    def total_norm(self, grads: Sequence[Tensor], norm_type: float) -> Tensor:
-        """The ``norm_type`` norm of the gradients of every stage, from this rank's ``grads`` (tied copy
-        left out; DTensor shards are combined by torch)."""
-        norm = torch.nn.utils.get_total_norm(grads, norm_type)
-        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-        if math.isinf(norm_type):
-            dist.all_reduce(norm, op=dist.ReduceOp.MAX, group=self.group)
-            return norm
-        total = norm.double() ** norm_type
-        dist.all_reduce(total, group=self.group)
-        return (total ** (1 / norm_type)).to(norm.dtype)
 
     def _sum_tied_grads(self) -> None:
         """Sum the gradients of the embedding the first and last stages share (their copies stay equal)."""

@@ -143,7 +143,10 @@ class StrategyProbe(L.Callback):
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         strategy = trainer.strategy
+        recovery = next((c for c in trainer.callbacks if type(c).__name__ == "NaNRecovery"), None)
         report = {
+            # the gradient norm NaNRecovery judged each step by (its recent steps: step, loss, norm)
+            "judged_grad_norms": [norm for _, _, norm in recovery.state_dict()["recent"]] if recovery else [],
             "losses": self.losses,
             "initial_weights": self.initial_weights,
             "grad_norms": self.grad_norms,
