@@ -144,6 +144,36 @@ def test_a_named_block_list_that_does_not_exist_is_refused():
         GradNormMonitor(blocks="layers").measure(GPT(GPTConfig(**TINY)))
 
 
+def test_one_measurement_a_step_serves_clipping_the_monitor_and_nan_recovery(tmp_path, monkeypatch):
+    """GradNormMonitor, NaNRecovery and gradient clipping read one fused measurement a step: the pre-clip
+    total norm, which clipping scales the gradients by."""
+    from lightning_train.callbacks import NaNRecovery
+    from lightning_train.plugins.grad_norm import GradNorms
+
+    passes: list[int] = []
+    measure = GradNorms.of_grads
+    monkeypatch.setattr(GradNorms, "of_grads", lambda self: passes.append(1) or measure(self))
+    clipped: list[dict[str, torch.Tensor]] = []
+
+    class RecordClipped(L.Callback):
+        def on_train_batch_end(self, trainer, pl_module, *args) -> None:  # the gradients the step used
+            clipped.append({n: p.grad.clone() for n, p in pl_module.named_parameters()})
+
+    recorder, monitor, recovery = RecordTensors(), GradNormMonitor(), NaNRecovery()
+    trainer = L.Trainer(
+        max_steps=4, accelerator="cpu", logger=False, gradient_clip_val=1e-3, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
+        callbacks=[recovery, recorder, RecordClipped(), monitor],
+    )
+    trainer.fit(PretrainModule(GPTConfig(**TINY)), FixedBatches())
+    assert len(passes) == 4  # one measurement a step, however many read it
+    expected = [norms_by_group(grads)["total"] for grads in recorder.grads]  # before clipping
+    judged = [norm for _, _, norm in recovery.state_dict()["recent"]]
+    assert judged == pytest.approx(expected, rel=1e-5)
+    assert monitor.last_total_norm.item() == pytest.approx(expected[-1], rel=1e-5)
+    assert [norms_by_group(grads)["total"] for grads in clipped] == pytest.approx([1e-3] * 4, rel=1e-4)
+
+
 def test_scaled_gradients_are_reported(tmp_path):
     """Lightning's AMP plugin does not unscale for a fused optimizer (PretrainModule's AdamW on CPU)."""
     from lightning.pytorch.plugins.precision import MixedPrecision
