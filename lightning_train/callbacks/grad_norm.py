@@ -31,13 +31,13 @@ class GradNormMonitor(Callback):
     ``health/update_ratio/<group>`` (‖Δw‖/‖w‖ of that step's optimizer update) and, with
     ``gradient_clip_val``, ``health/clip_fraction`` (steps of the interval whose norm exceeded it).
 
-    Gradients must be unscaled when ``on_before_optimizer_step`` runs (Lightning's AMP plugin
-    skips unscaling for fused optimizers; this package's precision plugin always unscales); the
-    monitor warns once if it finds scaled gradients. With DDP the gradients are already averaged;
-    with FSDP2 the local shards' sums of squares are all-reduced, so every rank gets the norm of
-    the full gradient; under pipeline parallelism each stage's sums are added over the stages (and a
-    tied embedding's second copy, on the last stage, is left out). Shared (tied) parameters count once,
-    in the group where they first appear.
+    Gradients must be unscaled when ``on_before_optimizer_step`` runs (Lightning's AMP plugin skips
+    unscaling for fused optimizers; this package's precision plugin always unscales); the monitor warns at
+    the start of fit when they would stay scaled. With DDP the gradients are already averaged; with FSDP2
+    the local shards' sums of squares are all-reduced, so every rank gets the norm of the full gradient;
+    under pipeline parallelism each stage's sums are added over the stages (and a tied embedding's second
+    copy, on the last stage, is left out). Shared (tied) parameters count once, in the group where they
+    first appear.
 
     The monitor's groups and ``norm_type`` become the Trainer's gradient-norm measurement
     (``step_control(trainer).grad_norms()``): measured once a step by whoever asks first (this monitor,

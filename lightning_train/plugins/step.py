@@ -94,12 +94,11 @@ class StepControl:
         return self._skipped_at.get(id(optimizer)) == self.trainer.global_step
 
     def take_step(self, optimizer: Optimizer, **kwargs: Any) -> Any:
-        """Step ``optimizer`` (gradients already unscaled) unless the step was skipped or the GradScaler found
-        inf/NaN gradients, which skips it too and backs the scale off. A step skipped by a callback leaves
-        the scaler exactly as it was (scale, growth tracker)."""
+        """Under loss scaling: step ``optimizer`` (gradients already unscaled) unless the step was skipped or
+        the GradScaler found inf/NaN gradients, which skips it too and backs the scale off. A step skipped
+        by a callback leaves the scaler exactly as it was (scale, growth tracker)."""
         scaler = self.scaler
-        if scaler is None:  # nothing to unscale or to back off
-            return None if self.skipped(optimizer) else optimizer.step(**kwargs)
+        assert scaler is not None, "take_step is the loss-scaled step; without a scaler, call optimizer.step"
         if self.skipped(optimizer):
             scaler.update(loss_scale_async(scaler))
             return None
