@@ -1,10 +1,15 @@
 """Lay a plain model out over the device mesh from outside (torchtitan style): the model file stays plain.
+``ParallelStrategy`` calls these, in this order; they call ``pipeline.py`` and ``tensor_parallel.py``:
 
-``build_mesh`` makes the one mesh every layout uses, ``(pp, dp_replicate, dp_shard, tp)`` (``MESH_DIMS``,
-outermost first); ``check_layout`` refuses sizes that do not divide the world. ``parallelize_model``
-applies, in this order, tensor parallelism (``tensor_parallel.py``), activation checkpointing and FSDP2
-(``apply_fsdp``: each transformer block, then the root); ``register_comm_hook`` installs a DDP
-communication-hook preset.
+- ``check_layout_options`` and ``check_layout``: options that cannot work together, sizes that do not
+  divide the world (before any process starts); ``check_model_layout``: a model or batch the layout cannot
+  split (the strategy's one check of the model);
+- ``build_mesh``: the one mesh every layout uses, ``MESH_DIMS`` = ``(pp, dp_replicate, dp_shard, tp)``,
+  outermost first;
+- ``keep_own_stages``: this rank's pipeline stages in place of the GPT; ``parallelize_model``: tensor
+  parallelism, activation checkpointing, then FSDP2 (``apply_fsdp``: each block, then the root);
+  ``tied_embedding_group``: the group whose gradients a tied embedding sums; ``register_comm_hook``: a DDP
+  communication-hook preset.
 """
 
 from __future__ import annotations
