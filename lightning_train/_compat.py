@@ -11,8 +11,8 @@ Overrides of private methods that stay in their classes (a subclass can only ove
 * ``LightningTrainCLI._add_subcommands`` and ``._parse_ckpt_path`` (``lightning.pytorch.cli.LightningCLI``),
   in ``cli/trainer.py``: a whole line of help per subcommand; checking ``--ckpt_path`` before Lightning
   unpickles its hyper-parameters.
-* ``DataParallelStrategy._configure_launcher`` (``ModelParallelStrategy``), in
-  ``strategies/data_parallel.py``: checking ``replicate_size`` before any process starts.
+* ``ParallelStrategy._configure_launcher`` (``lightning.pytorch.strategies.Strategy``), in
+  ``strategies/parallel.py``: checking the layout before any process starts, and attaching the launcher.
 * ``HelpFormatter._fill_text``, ``._get_help_string`` and ``._format_action`` (``argparse.HelpFormatter``
   through jsonargparse's ``DefaultHelpFormatter``), in ``cli/_parsers.py``: argparse's only way to
   format help text.
@@ -246,14 +246,39 @@ def has_train_progress_bar(bar: Any) -> bool:
 
 # ---- Lightning: strategies -----------------------------------------------------------------------------
 def setup_distributed(strategy: Any) -> None:
-    """Start the process group (``ModelParallelStrategy._setup_distributed``, Lightning 2.5-2.6; its public
-    ``setup_environment`` also builds a 2-D (data, tensor) mesh)."""
-    strategy._setup_distributed()
+    """Start the default process group of ``strategy``'s ranks, from its cluster environment (address,
+    port, rank, world size), ``process_group_backend`` and ``timeout``, as Lightning's strategies do
+    (``lightning.fabric.utilities.distributed._init_dist_connection``, Lightning 2.5-2.6; no public one)."""
+    from lightning.fabric.utilities.distributed import _init_dist_connection
+
+    device = strategy.root_device
+    _init_dist_connection(
+        strategy.cluster_environment, strategy.process_group_backend, timeout=strategy.timeout,
+        device_id=None if device.type == "cpu" else device,
+    )
+
+
+def subprocess_launcher(strategy: Any) -> Any:
+    """The launcher that starts ``strategy``'s other local ranks by running this script again, as
+    Lightning's DDP and model-parallel strategies attach it (``lightning.pytorch.strategies.launchers.
+    subprocess_script._SubprocessScriptLauncher``, Lightning 2.5-2.6; no public one)."""
+    from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+
+    return _SubprocessScriptLauncher(strategy.cluster_environment, strategy.num_processes, strategy.num_nodes)
+
+
+def reduce_tensor(tensor: torch.Tensor, group: Any = None, reduce_op: Any = "mean") -> torch.Tensor:
+    """``tensor`` reduced in place over ``group`` (None: every rank) after a barrier, as Lightning's
+    strategies reduce (``"mean"``: summed and divided where the backend has no average)
+    (``lightning.fabric.utilities.distributed._sync_ddp_if_available``, Lightning 2.5-2.6; no public one)."""
+    from lightning.fabric.utilities.distributed import _sync_ddp_if_available
+
+    return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
 
 
 def set_device_mesh(strategy: Any, mesh: Any) -> None:
-    """Make ``mesh`` the strategy's and its LightningModule's ``device_mesh`` (``ModelParallelStrategy.
-    _device_mesh``, ``LightningModule._device_mesh``, Lightning 2.5-2.6; both are read-only properties)."""
+    """Make ``mesh`` the strategy's and its LightningModule's ``device_mesh`` (``LightningModule.
+    _device_mesh``, Lightning 2.5-2.6, behind a read-only property; the strategy's is its own)."""
     strategy._device_mesh = mesh
     strategy.lightning_module._device_mesh = mesh
 

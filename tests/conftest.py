@@ -111,8 +111,8 @@ def run_main(*args: str) -> tuple[int, str, str]:
 def _leave_process_group() -> None:
     """What a finished process's exit does for a run that joined a process group (an ``atexit`` handler,
     which an in-process run never reaches): a later test in this worker can then start a group of its own."""
-    if "lightning_train.strategies.data_parallel" in sys.modules:
-        from lightning_train.strategies.data_parallel import leave_process_group
+    if "lightning_train.strategies.processes" in sys.modules:
+        from lightning_train.strategies.processes import leave_process_group
 
         leave_process_group()
 

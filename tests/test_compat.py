@@ -22,7 +22,7 @@ from lightning.pytorch.callbacks import TQDMProgressBar
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.demos.boring_classes import BoringModel, RandomDataset
 from lightning.pytorch.loggers import WandbLogger
-from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.strategies import Strategy
 from lightning.pytorch.trainer.connectors import accelerator_connector
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
@@ -354,6 +354,17 @@ def test_setup_distributed(strategy):
     assert dist.is_initialized() and dist.get_world_size() == 1 and dist.get_backend() == "gloo"
 
 
+def test_subprocess_launcher(strategy):
+    launcher = _compat.subprocess_launcher(strategy)
+    assert (launcher.num_processes, launcher.num_nodes) == (1, 1) and not launcher.is_interactive_compatible
+
+
+def test_reduce_tensor(strategy):
+    _compat.setup_distributed(strategy)
+    assert _compat.reduce_tensor(torch.tensor([2.0, 5.0]), reduce_op="mean").tolist() == [2.0, 5.0]
+    assert _compat.reduce_tensor(torch.tensor(3), reduce_op="sum").item() == 3  # one rank: itself
+
+
 def test_set_device_mesh(strategy):
     _compat.setup_distributed(strategy)
     module = BoringModel()
@@ -554,7 +565,7 @@ def test_object_storage_check_without_imports() -> None:
 @pytest.mark.parametrize("base, name, caller", [
     (LightningCLI, "_add_subcommands", LightningCLI),
     (LightningCLI, "_parse_ckpt_path", LightningCLI),
-    (ModelParallelStrategy, "_configure_launcher", accelerator_connector),
+    (Strategy, "_configure_launcher", accelerator_connector),
     (argparse.HelpFormatter, "_fill_text", argparse.HelpFormatter),
     (argparse.HelpFormatter, "_get_help_string", argparse.HelpFormatter),
     (argparse.HelpFormatter, "_format_action", argparse.HelpFormatter),

@@ -10,7 +10,7 @@ import yaml
 
 from lightning_train.models.gpt import GPT, GPTConfig
 from lightning_train.strategies.memory import estimate_layout, format_bytes
-from lightning_train.strategies.parallel import check_layout
+from lightning_train.strategies.parallelize import check_layout
 from lightning_train.strategies.pipeline import split_blocks
 from lightning_train.strategies.planner import plan_layout
 from lightning_train.strategies.tensor_parallel import check_tensor_parallel

@@ -45,7 +45,8 @@ LAYOUTS = {  # the strategy, and the sequences per data-parallel rank that make 
 }
 # the global rank's groups on 2 nodes of 2 ranks (node n holds ranks 2n, 2n + 1)
 MESHES = {
-    "hsdp": lambda r: {"replicate": [r % 2, r % 2 + 2], "shard": [r - r % 2, r - r % 2 + 1]},
+    "hsdp": lambda r: {"pp": [r], "dp_replicate": [r % 2, r % 2 + 2], "dp_shard": [r - r % 2, r - r % 2 + 1],
+             "tp": [r]},
     "tp_in_node": lambda r: {"pp": [r], "dp_replicate": [r], "dp_shard": [r % 2, r % 2 + 2],
                              "tp": [r - r % 2, r - r % 2 + 1]},
 }

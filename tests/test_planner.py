@@ -15,9 +15,9 @@ from lightning_train import GPTConfig, PretrainModule
 from lightning_train.errors import UserInputError
 from lightning_train.models.gpt import GPT
 from lightning_train.strategies import ParallelStrategy, estimate_memory
-from lightning_train.strategies.data_parallel import leave_process_group
 from lightning_train.strategies.memory import _in_flight, estimate_layout, layer_activation_bytes
 from lightning_train.strategies.planner import plan_layout, planning_model
+from lightning_train.strategies.processes import leave_process_group
 from tests.conftest import cli_env, run_cli, run_main
 from tests.helpers.tiny_runs import FixedBatches
 

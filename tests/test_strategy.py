@@ -7,13 +7,13 @@ import lightning as L
 import pytest
 import torch
 import torch.nn.functional as F
-from lightning.pytorch.strategies import StrategyRegistry
+from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
 from safetensors.torch import load_file
 
 from lightning_train.checkpoint import consolidate, load_sharded_model_state
 from lightning_train.errors import UserInputError
 from lightning_train.models.gpt import GPT, GPTConfig
-from lightning_train.strategies import DataParallelStrategy, estimate_memory
+from lightning_train.strategies import DataParallelStrategy, ParallelStrategy, estimate_memory
 from lightning_train.strategies.memory import choose_sharding
 from lightning_train.strategies.parallelize import apply_activation_checkpointing
 from tests.conftest import run_cli
@@ -23,6 +23,17 @@ from tests.conftest import run_cli
 def test_registry_names_build_the_strategy(sharding):
     strategy = StrategyRegistry.get(f"lt_{sharding}")
     assert isinstance(strategy, DataParallelStrategy) and strategy.sharding == sharding
+
+
+def test_data_parallel_strategy_is_a_preset_of_the_one_strategy():
+    """One strategy class: DataParallelStrategy only fixes the model-parallel options of ParallelStrategy,
+    which is built on Lightning's plain ParallelStrategy, not on a ModelParallelStrategy it would skip."""
+    strategy = DataParallelStrategy("fsdp", reshard_after_forward=False)
+    assert isinstance(strategy, ParallelStrategy) and not isinstance(strategy, ModelParallelStrategy)
+    assert (strategy.tensor_parallel, strategy.pipeline_parallel, strategy.sharding) == (1, 1, "fsdp")
+    assert not strategy.reshard_after_forward
+    with pytest.raises(TypeError, match="tensor_parallel"):
+        DataParallelStrategy(tensor_parallel=2)
 
 
 def test_bad_options_name_the_value():

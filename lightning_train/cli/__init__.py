@@ -84,7 +84,7 @@ def _main(argv: list[str] | None) -> None:
             from lightning_train.cli.trainer import LightningTrainCLI
 
             object_storage_check_without_imports()
-            from lightning_train.strategies.data_parallel import leave_process_group
+            from lightning_train.strategies.processes import leave_process_group
 
             atexit.register(leave_process_group)  # whatever the strategy: see leave_process_group
             plain_package_warnings()  # after Lightning's import, which installs a warning format of its own

@@ -28,19 +28,20 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from lightning_train.errors import UserInputError
 from lightning_train.models.generate import decode
 from lightning_train.models.gpt import KVCache
+from lightning_train.strategies.parallelize import build_mesh
 from lightning_train.strategies.pipeline import (
     check_zero_bubble,
     pipeline_stage_ids,
     split_blocks,
     stage_model,
 )
-from lightning_train.strategies.tensor_parallel import apply_tensor_parallel
+from lightning_train.strategies.tensor_parallel import apply_tensor_parallel, check_tensor_parallel
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)  # of the activations sent
 
@@ -173,8 +174,8 @@ def shard_for_generation(
     virtual_stages: int = 1,
     device: torch.device | str = "cpu",
 ) -> ShardedGenerator:
-    """Lay out a whole ``GPT`` (the same weights on every rank) as ``ParallelStrategy`` does, on the mesh
-    ``(pp, dp, tp)`` of the default process group (``dp``: replicas that generate the same tokens), and
+    """Lay out a whole ``GPT`` (the same weights on every rank) as ``ParallelStrategy`` does, on its mesh
+    over the default process group (the data-parallel ranks: replicas that generate the same tokens), and
     return its generator; this rank keeps its stages only. Call it on every rank."""
     world = dist.get_world_size()
     if world % (tensor_parallel * pipeline_parallel):
@@ -182,10 +183,8 @@ def shard_for_generation(
             f"tensor_parallel={tensor_parallel} x pipeline_parallel={pipeline_parallel} does not divide the "
             f"world size {world}; use sizes whose product divides it"
         )
-    mesh = init_device_mesh(
-        torch.device(device).type, (pipeline_parallel, world // (tensor_parallel * pipeline_parallel),
-                                    tensor_parallel), mesh_dim_names=("pp", "dp", "tp"),
-    )
+    check_tensor_parallel(tensor_parallel, model.config)
+    mesh = build_mesh(torch.device(device).type, world, tensor_parallel, pipeline_parallel)
     # a V-shaped rank 0 would shard a tied embedding twice: refused as for training
     check_zero_bubble(schedule, 1, tensor_parallel, model.config.tie_embeddings, False, False)
     num_stages = pipeline_parallel * virtual_stages

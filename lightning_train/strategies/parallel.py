@@ -1,83 +1,74 @@
-"""ParallelStrategy: data parallelism (FSDP2, as ``DataParallelStrategy``) composed with tensor and
-pipeline parallelism on one named device mesh.
+"""ParallelStrategy, the package's one strategy: data parallelism (DDP or FSDP2) composed with tensor and
+pipeline parallelism on one named device mesh, on CPUs (gloo) and GPUs.
 
     trainer = L.Trainer(strategy=ParallelStrategy(tensor_parallel=2), devices=2, accelerator="cpu")
     # CLI: --trainer.strategy=lightning_train.strategies.ParallelStrategy --trainer.strategy.tensor_parallel=2
 
-The mesh is ``(pp, dp_replicate, dp_shard, tp)``, outermost first: tensor parallelism, the most
-communication-hungry, on neighbouring ranks (inside a node); pipeline stages, which exchange only one
-activation per microbatch, farthest apart (across nodes); data parallelism gets the rest,
-``world_size / (tensor_parallel * pipeline_parallel)`` replicas. All ranks of one tensor-parallel group,
-and all stages of one pipeline, read the same batch. The plans for the GPT live in
-``tensor_parallel.py`` and ``pipeline.py``.
+``DataParallelStrategy`` (``data_parallel.py``; ``lt_ddp``, ``lt_fsdp``, ``lt_auto``) is this class without
+model parallelism. The mesh is ``parallelize.MESH_DIMS``, ``(pp, dp_replicate, dp_shard, tp)``, outermost
+first; data parallelism gets ``world_size / (tensor_parallel * pipeline_parallel)`` ranks. All ranks of
+one tensor-parallel group, and all stages of one pipeline, read the same batch.
+
+The model is built by the LightningModule's ``configure_model`` on the root device exactly as in a
+single-process run (same seed, same initial weights). ``setup`` checks it once (``check_model``), then
+lays it out from outside: this rank's pipeline stages, tensor parallelism, activation checkpointing and
+FSDP2 (``parallelize.py``, which calls ``pipeline.py`` and ``tensor_parallel.py``), then the pipeline
+schedule (``pipeline.Pipeline``) or DDP. Built on Lightning's plain ``ParallelStrategy``, with three
+bases of its own for the rest: ``processes.py`` (the launcher, the process group and its collectives),
+``checkpoints.py`` (sharded checkpoints) and ``steps.py`` (the step under model parallelism).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from contextlib import AbstractContextManager, nullcontext
+from datetime import timedelta
 from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
-import torch.distributed as dist
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
-from torch import Tensor
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
+from torch.nn.parallel import DistributedDataParallel
 
-from lightning_train._compat import is_compiled
+from lightning_train._compat import optimizers_to_device, set_device_mesh, sync_module_states
 from lightning_train.errors import UserInputError
-from lightning_train.strategies.data_parallel import DataParallelStrategy
+from lightning_train.strategies.checkpoints import ShardedCheckpoints
 from lightning_train.strategies.generation import ShardedGenerator
-from lightning_train.strategies.parallelize import find_transformer
-from lightning_train.strategies.pipeline import (
-    Pipeline,
-    check_microbatches,
-    check_pipeline,
-    check_stages,
-    check_zero_bubble,
-    last_stage_rank,
-    pipeline_stage_ids,
-    split_blocks,
-    stage_model,
+from lightning_train.strategies.memory import (
+    GiB,
+    choose_sharding,
+    device_memory_bytes,
+    estimate_memory,
+    format_bytes,
 )
+from lightning_train.strategies.parallelize import (
+    CommHook,
+    build_mesh,
+    check_comm_hook,
+    check_layout,
+    check_layout_options,
+    check_model_layout,
+    find_transformer,
+    keep_own_stages,
+    parallelize_model,
+    register_comm_hook,
+    tied_embedding_group,
+)
+from lightning_train.strategies.pipeline import Pipeline
 from lightning_train.strategies.planner import LayoutPlan, plan_layout, planning_model
-from lightning_train.strategies.tensor_parallel import (
-    apply_tensor_parallel,
-    check_tensor_parallel,
-    reduce_partial_grads,
-    vocab_parallel_loss,
-)
+from lightning_train.strategies.processes import ProcessGroup
+from lightning_train.strategies.steps import ModelParallelStep
+
+Sharding = Literal["ddp", "fsdp", "auto"]
+SHARDINGS = ("ddp", "fsdp", "auto")
+_LOW_PRECISION = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
 
 
-def check_layout(
-    tensor_parallel: int, replicate_size: int, num_nodes: int, devices: int, pipeline_parallel: int = 1
-) -> None:
-    """Refuse a mesh that does not divide the world size ``num_nodes * devices``."""
-    world_size = num_nodes * devices
-    if tensor_parallel < 1 or world_size % tensor_parallel:
-        raise UserInputError(
-            f"tensor_parallel={tensor_parallel} does not divide the world size {world_size} "
-            f"(num_nodes={num_nodes} x devices={devices}); use a divisor of the devices of one node"
-        )
-    if world_size % (tensor_parallel * pipeline_parallel):
-        raise UserInputError(
-            f"tensor_parallel={tensor_parallel} x pipeline_parallel={pipeline_parallel} does not divide the "
-            f"world size {world_size} (num_nodes={num_nodes} x devices={devices}); use sizes whose product "
-            "divides it"
-        )
-    data_parallel = world_size // (tensor_parallel * pipeline_parallel)
-    if replicate_size < 1 or data_parallel % replicate_size:
-        raise UserInputError(
-            f"replicate_size={replicate_size} does not divide the data-parallel size {data_parallel} "
-            f"(world size {world_size} / tensor_parallel={tensor_parallel} / pipeline_parallel="
-            f"{pipeline_parallel}); use a divisor, or 'nodes' (one replica per node)"
-        )
-
-
-class ParallelStrategy(DataParallelStrategy):
-    """``DataParallelStrategy`` with tensor parallelism (``tensor_parallel`` ranks split every layer) and
-    pipeline parallelism (``pipeline_parallel`` stages each run some of the layers).
+class ParallelStrategy(ProcessGroup, ShardedCheckpoints, ModelParallelStep, pl.strategies.ParallelStrategy):
+    """Data parallelism (DDP or FSDP2, chosen by ``sharding``) x tensor parallelism (``tensor_parallel``
+    ranks split every layer) x pipeline parallelism (``pipeline_parallel`` stages each run some layers).
 
     Args:
         tensor_parallel: ranks that split each layer (heads, MLP width, vocabulary) and the sequence
@@ -103,9 +94,26 @@ class ParallelStrategy(DataParallelStrategy):
             gradient); the model's forward then returns a ``Shard(-1)`` DTensor, which the modules'
             ``compute_loss`` takes as it is (``F.cross_entropy``). False: the logits are gathered whole on
             every rank, for a ``compute_loss`` that needs plain tensors.
-        **kwargs: the options of ``DataParallelStrategy``. With model parallelism, ``sharding`` ``"auto"``
-            is ``"fsdp"`` (FSDP2 over the data-parallel ranks, when there are several; checkpoints are
-            sharded folders); ``"ddp"`` is refused.
+        sharding: ``"ddp"`` (replicate), ``"fsdp"`` (shard) or ``"auto"`` (ddp if it fits in memory). With
+            model parallelism ``"auto"`` is ``"fsdp"`` (over the data-parallel ranks, when there are
+            several; checkpoints are sharded folders) and ``"ddp"`` is refused.
+        bucket_cap_mb: DDP gradient bucket size; larger buckets mean fewer, bigger all-reduces.
+        gradient_as_bucket_view: DDP gradients alias the communication buckets (saves one copy).
+        static_graph: DDP may assume the same parameters are used every step (enables extra overlap).
+        find_unused_parameters: DDP tolerates parameters that get no gradient (slower; off by default).
+        comm_hook: DDP gradient compression: ``"fp16_compress"``, ``"bf16_compress"`` (NCCL only) or
+            ``"powersgd"``; registered where torch supports it on the backend, else a warning says so.
+        reshard_after_forward: FSDP frees gathered parameters after forward (ZeRO-3); ``False`` keeps
+            them until backward (ZeRO-2 style: less communication, more memory).
+        activation_checkpointing: recompute each block's activations in backward (ddp and fsdp).
+        cpu_offload: FSDP keeps sharded parameters, gradients and optimizer state in host memory.
+        replicate_size: FSDP over a 2-D mesh (HSDP): ``replicate_size`` groups, each sharding over the
+            data-parallel ranks / ``replicate_size``. 1 is plain FSDP. ``"nodes"``: one group per node of
+            this launch, so an elastic group that comes back with fewer or more nodes keeps sharding
+            inside each node.
+        reduce_dtype: FSDP gradient reduce-scatter dtype under mixed precision (``"float32"`` default).
+        memory_budget_gb: per-device memory ``"auto"`` plans with (default: the device's memory).
+        process_group_backend, timeout: passed to ``torch.distributed.init_process_group``.
 
     Example (one CPU process: tensor_parallel=1 is DataParallelStrategy under another name):
 
@@ -128,17 +136,47 @@ class ParallelStrategy(DataParallelStrategy):
         virtual_stages: int = 1,
         pipeline_split_points: Sequence[int] | None = None,
         loss_parallel: bool = True,
-        **kwargs: Any,
+        sharding: Sharding = "auto",
+        bucket_cap_mb: float = 25.0,
+        gradient_as_bucket_view: bool = True,
+        static_graph: bool = False,
+        find_unused_parameters: bool = False,
+        comm_hook: CommHook | None = None,
+        reshard_after_forward: bool = True,
+        activation_checkpointing: bool = False,
+        cpu_offload: bool = False,
+        replicate_size: int | Literal["nodes"] = 1,
+        reduce_dtype: Literal["float32", "bfloat16"] = "float32",
+        memory_budget_gb: float | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
     ) -> None:
-        super().__init__(**kwargs)
+        super().__init__(process_group_backend, timeout)
+        if sharding not in SHARDINGS:
+            raise UserInputError(f"sharding={sharding!r} is not one of {', '.join(SHARDINGS)}")
+        check_comm_hook(comm_hook)
+        if reduce_dtype not in ("float32", "bfloat16"):
+            raise UserInputError(f"reduce_dtype={reduce_dtype!r} is not 'float32' or 'bfloat16'")
+        self._device_mesh: DeviceMesh | None = None  # built in setup_environment
+        self.ddp_kwargs = dict(
+            bucket_cap_mb=bucket_cap_mb, gradient_as_bucket_view=gradient_as_bucket_view,
+            static_graph=static_graph, find_unused_parameters=find_unused_parameters,
+        )
+        self.comm_hook = comm_hook
+        self.registered_comm_hook: str | None = None  # torch's name for the hook once registered
+        self.reshard_after_forward, self.cpu_offload = reshard_after_forward, cpu_offload
+        self.activation_checkpointing = activation_checkpointing
+        self.replicate_option = replicate_size  # read through the replicate_size property
+        self.reduce_dtype = getattr(torch, reduce_dtype)
+        self.memory_budget_gb = memory_budget_gb
         self.layout_plan: LayoutPlan | None = None  # tensor_parallel="auto": set by _plan_layout
         self.auto_layout = tensor_parallel == "auto"
-        self._given = (tensor_parallel, pipeline_parallel, self.sharding)  # checked in _check_options
+        self._given = (tensor_parallel, pipeline_parallel, sharding)  # checked in _configure_launcher
         if self.auto_layout:
             tensor_parallel = 1  # until planned
         numbers = isinstance(tensor_parallel, int) and isinstance(pipeline_parallel, int)
-        if numbers and tensor_parallel * pipeline_parallel > 1 and self.sharding != "ddp":
-            self.sharding = "fsdp"
+        model_parallel = numbers and tensor_parallel * pipeline_parallel > 1
+        self.sharding = "fsdp" if model_parallel and sharding != "ddp" else sharding
         self.tensor_parallel, self.pipeline_parallel = tensor_parallel, pipeline_parallel
         self.microbatches = 2 * pipeline_parallel * virtual_stages if microbatches is None else microbatches
         self.pipeline_schedule, self.virtual_stages = pipeline_schedule, virtual_stages
@@ -150,49 +188,18 @@ class ParallelStrategy(DataParallelStrategy):
         self._stage_views: list[torch.nn.Module] = []  # the model each of them runs
         self._generator: ShardedGenerator | None = None  # built on first use (generator())
 
-    # ---- the mesh -------------------------------------------------------------------------------------
-    def _configure_launcher(self) -> None:
-        self._check_options()
-        check_layout(
-            self.tensor_parallel, self.replicate_size, self.num_nodes, self.num_processes,
-            self.pipeline_parallel,
-        )
-        super()._configure_launcher()
+    # ---- the mesh ------------------------------------------------------------------------------------
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        """The ``(pp, dp_replicate, dp_shard, tp)`` mesh (``parallelize.MESH_DIMS``)."""
+        if self._device_mesh is None:
+            raise RuntimeError("the device mesh is built in setup_environment, once the processes started")
+        return self._device_mesh
 
-    def _check_options(self) -> None:
-        """Refuse options that cannot work together. Here, not in ``__init__``: the CLI's parser would turn
-        an error raised there into a generic message of its own."""
-        tensor_parallel, pipeline_parallel, sharding = self._given
-        if self.auto_layout and (pipeline_parallel != 1 or sharding != "auto"):
-            raise UserInputError(
-                f"tensor_parallel='auto' plans pipeline_parallel and sharding too; leave them at 1 and "
-                f"'auto' (got {pipeline_parallel} and {sharding!r}), or give tensor_parallel as a number"
-            )
-        if not self.auto_layout and (not isinstance(tensor_parallel, int) or tensor_parallel < 1):
-            raise UserInputError(f"tensor_parallel={tensor_parallel!r}: use an int >= 1 or 'auto'")
-        check_pipeline(
-            pipeline_parallel, self.pipeline_schedule, self.microbatches, self.virtual_stages,
-            self.pipeline_split_points,
-        )
-        if self.tensor_parallel * pipeline_parallel > 1 and sharding == "ddp":
-            raise UserInputError(
-                f"sharding='ddp' does not combine with tensor_parallel={self.tensor_parallel} x "
-                f"pipeline_parallel={pipeline_parallel} yet; use sharding='fsdp' (or 'auto')"
-            )
-
-    def setup_environment(self) -> None:
-        module = self.lightning_module  # the Trainer API calls no check_model: plan before the mesh
-        self._plan_layout(module, getattr(module.trainer, "datamodule", None))
-        super().setup_environment()
-
-    def _build_mesh(self) -> DeviceMesh:
-        tp, pp, replicate = self.tensor_parallel, self.pipeline_parallel, self.replicate_size
-        data_parallel = self.world_size // (tp * pp)
-        return init_device_mesh(
-            self.root_device.type,
-            (pp, replicate, data_parallel // replicate, tp),
-            mesh_dim_names=("pp", "dp_replicate", "dp_shard", "tp"),
-        )
+    @property
+    def replicate_size(self) -> int:
+        """HSDP replica groups of this launch: the node count for ``replicate_size="nodes"``."""
+        return self.num_nodes if self.replicate_option == "nodes" else self.replicate_option
 
     @property
     def data_parallel_size(self) -> int:
@@ -209,32 +216,50 @@ class ParallelStrategy(DataParallelStrategy):
 
     @property
     def fsdp_mesh(self) -> DeviceMesh | None:
+        """The mesh FSDP shards over: 2-D (dp_replicate, dp_shard) for HSDP, else dp_shard (None: model
+        parallelism only, nothing to shard over)."""
         mesh = self.device_mesh
         if mesh["dp_replicate"].size() > 1:
             return mesh["dp_replicate", "dp_shard"]
         if mesh["dp_shard"].size() > 1 or self.tensor_parallel * self.pipeline_parallel == 1:
             return mesh["dp_shard"]
-        return None  # model parallelism only: nothing to shard over
+        return None
 
-    # ---- the model ----------------------------------------------------------------------------------
+    # ---- the layout: checked, planned ----------------------------------------------------------------
+    def _configure_launcher(self) -> None:
+        # options and sizes: checked here, before any process starts, not in __init__ (the CLI's parser would
+        # turn an error raised there into a generic message of its own)
+        tensor_parallel, pipeline_parallel, sharding = self._given
+        check_layout_options(
+            tensor_parallel, pipeline_parallel, sharding, self.pipeline_schedule, self.microbatches,
+            self.virtual_stages, self.pipeline_split_points,
+        )
+        check_layout(
+            self.tensor_parallel, self.replicate_size, self.num_nodes, self.num_processes,
+            self.pipeline_parallel,
+        )
+        super()._configure_launcher()
+
+    def setup_environment(self) -> None:
+        super().setup_environment()  # the process group
+        module = self.lightning_module  # the Trainer API calls no check_model: plan before the mesh
+        self._plan_layout(module, getattr(module.trainer, "datamodule", None))
+        mesh = build_mesh(
+            self.root_device.type, self.world_size, self.tensor_parallel, self.pipeline_parallel,
+            self.replicate_size,
+        )
+        set_device_mesh(self, mesh)
+
     def check_model(self, module: pl.LightningModule, datamodule: Any = None) -> None:
-        """Refuse a model (or batch) the layout cannot split (the CLI calls this before any process
-        starts)."""
+        """Refuse a model (or batch) the layout cannot split: the one check of the model, made by ``setup``
+        before it lays the model out, and by the CLI before any process starts (the model unbuilt yet)."""
         self._plan_layout(module, datamodule)
-        config = getattr(module, "config", None)
-        check_tensor_parallel(self.tensor_parallel, config)
-        if self.pipeline_parallel > 1:
-            model = find_transformer(module)
-            compiled = bool(getattr(module, "hparams", {}).get("compile")) or (
-                model is not None and is_compiled(model)
+        if self.tensor_parallel * self.pipeline_parallel > 1:
+            check_model_layout(
+                module, getattr(datamodule, "batch_size", None), self.tensor_parallel, self.pipeline_parallel,
+                self.virtual_stages, self.pipeline_schedule, self.pipeline_split_points, self.microbatches,
+                self.data_parallel_size, self.activation_checkpointing,
             )
-            check_zero_bubble(
-                self.pipeline_schedule, self.data_parallel_size, self.tensor_parallel,
-                bool(getattr(config, "tie_embeddings", False)), self.activation_checkpointing, compiled,
-            )
-            num_stages = self.pipeline_parallel * self.virtual_stages
-            check_stages(num_stages, getattr(config, "n_layer", 0), self.pipeline_split_points)
-            check_microbatches(getattr(datamodule, "batch_size", None), self.microbatches)
 
     def _plan_layout(self, module: pl.LightningModule, datamodule: Any) -> None:
         """tensor_parallel='auto': settle the sizes and sharding from ``plan_layout``, once (every rank plans
@@ -255,76 +280,86 @@ class ParallelStrategy(DataParallelStrategy):
         self.microbatches = plan.microbatches or self.microbatches
         self.layout_plan = plan
 
-    def apply_model_parallel(self, module: pl.LightningModule) -> None:
-        if self.tensor_parallel * self.pipeline_parallel == 1:
-            return
-        self.check_model(module)
-        model = find_transformer(module)
-        if model is None:
-            raise UserInputError(
-                f"tensor_parallel={self.tensor_parallel} x pipeline_parallel={self.pipeline_parallel} needs "
-                f"a GPT (a module with `blocks`); {type(module).__name__} has none"
-            )
-        if self.pipeline_parallel > 1:
-            model = self._keep_own_stages(module, model)
-        if self.tensor_parallel > 1:
-            for part in self._stage_views or [model]:
-                apply_tensor_parallel(part, self.device_mesh["tp"], self.loss_parallel)
-
-    def _keep_own_stages(self, module: pl.LightningModule, model: torch.nn.Module) -> torch.nn.Module:
-        """Replace the GPT by what this rank's stages hold (``pipeline.stage_model``); the rest is freed."""
-        num_stages = self.pipeline_parallel * self.virtual_stages
-        splits = split_blocks(model, num_stages, self.pipeline_split_points)
-        pp_rank = self.device_mesh["pp"].get_local_rank()
-        self._stage_ids = pipeline_stage_ids(
-            pp_rank, self.pipeline_parallel, self.virtual_stages, self.pipeline_schedule
+    def _choose_sharding(self, trainer: pl.Trainer, module: torch.nn.Module) -> str:
+        """sharding='auto' without model parallelism: ddp when a replica fits (``memory.choose_sharding``)."""
+        datamodule = getattr(trainer, "datamodule", None)
+        estimate = estimate_memory(
+            module,
+            shard_size=self.world_size // self.replicate_size,
+            batch_size=getattr(datamodule, "batch_size", None),
+            seq_len=getattr(datamodule, "seq_len", None),
+            activation_checkpointing=self.activation_checkpointing,
+            activation_dtype=_LOW_PRECISION.get(self._precision_name, torch.float32),
         )
-        self._stage_views = [
-            stage_model(model, splits[i], i == 0, i == num_stages - 1) for i in self._stage_ids
-        ]
-        if is_compiled(model):  # a stage is a new module: compile it as the whole model was
-            for view in self._stage_views:
-                view.compile()
-        held = self._stage_views[0]
-        if self.virtual_stages > 1:  # the module holds all of this rank's stages (state dict, optimizer)
-            owned = [index for i in self._stage_ids for index in splits[i]]
-            held = stage_model(model, owned, 0 in self._stage_ids, num_stages - 1 in self._stage_ids)
-        self.whole_model_shapes = {key: tuple(value.shape) for key, value in module.state_dict().items()}
-        name = next((name for name, child in module.named_children() if child is model), None)
-        if name is None:
-            raise UserInputError(
-                f"pipeline_parallel needs the GPT as a direct attribute of {type(module).__name__} (e.g. "
-                "self.model)"
-            )
-        setattr(module, name, held)
-        return held
+        budget = self.memory_budget_bytes()
+        choice = choose_sharding(estimate, budget)
+        rank_zero_info(
+            f"DataParallelStrategy(sharding='auto') chose {choice!r}: {estimate.describe()}; "
+            f"budget {format_bytes(budget)} per device (ddp when it needs <= 80% of it)"
+        )
+        return choice
 
-    def fsdp_roots(self, module: pl.LightningModule) -> list[torch.nn.Module]:
-        # each stage is an FSDP root of its own: a schedule runs stages, never the whole module
-        return self._stage_views or [module]
+    def memory_budget_bytes(self) -> int:
+        """The per-device memory ``auto`` plans with: ``memory_budget_gb``, or the device's."""
+        if self.memory_budget_gb is not None:
+            return int(self.memory_budget_gb * GiB)
+        return device_memory_bytes(self.root_device, self.num_processes)
 
-    def after_sharding(self, module: pl.LightningModule) -> None:
-        if self.pipeline_parallel == 1:
-            return
+    @property
+    def _precision_name(self) -> str:
+        return getattr(self.precision_plugin, "precision", "32-true")
+
+    # ---- the model, laid out -------------------------------------------------------------------------
+    def setup(self, trainer: pl.Trainer) -> None:
+        self.accelerator.setup(trainer)
+        module = self.lightning_module
+        self.check_model(module, trainer.datamodule)
+        if self.sharding == "auto":
+            self.sharding = self._choose_sharding(trainer, module)
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        self.model = self.precision_plugin.convert_module(module)
         mesh = self.device_mesh
-        num_stages = self.pipeline_parallel * self.virtual_stages
-        self.pipeline = Pipeline(
-            self._stage_views, self._stage_ids, num_stages, self.pipeline_schedule, self.microbatches,
-            group=mesh.get_group("pp"), tied_group=self._tied_embedding_group(module),
-            device=self.root_device,
+        if self.pipeline_parallel > 1:  # checkpoints are checked against the whole model's state
+            self.whole_model_shapes = {key: tuple(value.shape) for key, value in module.state_dict().items()}
+            self._stage_ids, self._stage_views = keep_own_stages(
+                module, mesh["pp"].get_local_rank(), self.pipeline_parallel, self.virtual_stages,
+                self.pipeline_schedule, self.pipeline_split_points,
+            )
+        parallelize_model(
+            module, self._stage_views, mesh["tp"], self.loss_parallel,
+            self.activation_checkpointing and fitting, self.fsdp_mesh if self.sharding == "fsdp" else None,
+            param_dtype=_LOW_PRECISION.get(self._precision_name), reduce_dtype=self.reduce_dtype,
+            reshard_after_forward=self.reshard_after_forward, cpu_offload=self.cpu_offload,
         )
+        self.model_to_device()  # FSDP placed its shards; this moves the rest (e.g. metric states)
+        if self.pipeline_parallel > 1:
+            self.pipeline = Pipeline(
+                self._stage_views, self._stage_ids, self.pipeline_parallel * self.virtual_stages,
+                self.pipeline_schedule, self.microbatches, group=mesh.get_group("pp"),
+                tied_group=tied_embedding_group(mesh, self.pipeline_schedule, module.config.tie_embeddings),
+                device=self.root_device,
+            )
+        if self.sharding == "ddp" and fitting:
+            self.model = self._wrap_ddp(module)
+        elif self.sharding == "ddp":
+            sync_module_states(module)
+        self.barrier()
+        if fitting:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if fitting and not self.cpu_offload:
+            optimizers_to_device(self.optimizers, self.root_device)
 
-    def _tied_embedding_group(self, module: pl.LightningModule) -> dist.ProcessGroup | None:
-        """The group of the first and the last stage's ranks of this rank's pipeline (a tied embedding's
-        two copies), created on every rank as ``new_subgroups_by_enumeration`` requires; None if untied, or
-        if one rank runs both (the V-shaped schedules: one embedding, its gradients summed by autograd)."""
-        last = last_stage_rank(self.pipeline_parallel, self.pipeline_schedule)
-        if not getattr(module.config, "tie_embeddings", False) or last == 0:
-            return None
-        ranks = self.device_mesh.mesh  # (pp, dp_replicate, dp_shard, tp) global ranks
-        pairs = [[int(a), int(b)] for a, b in zip(ranks[0].flatten(), ranks[last].flatten(), strict=True)]
-        group, _ = dist.new_subgroups_by_enumeration(pairs, backend=dist.get_backend())
-        return group  # None on the ranks of the middle stages
+    def model_to_device(self) -> None:
+        if not self.cpu_offload:  # offloaded shards must stay in host memory
+            self.lightning_module.to(self.root_device)
+
+    def _wrap_ddp(self, module: pl.LightningModule) -> DistributedDataParallel:
+        device_ids = None if self.root_device.type == "cpu" else [self.root_device.index]
+        model = DistributedDataParallel(module, device_ids=device_ids, **self.ddp_kwargs)
+        if self.comm_hook is not None:
+            self.registered_comm_hook = register_comm_hook(model, self.comm_hook, self.process_group_backend)
+        return model
 
     def generator(self) -> ShardedGenerator | None:
         """What generates on the model as laid out here (``generation.ShardedGenerator``: call its
@@ -340,44 +375,9 @@ class ParallelStrategy(DataParallelStrategy):
             )
         return self._generator
 
-    # ---- the step -----------------------------------------------------------------------------------
-    def _loss_context(self) -> AbstractContextManager:
-        """Around every step and backward: the vocab-parallel cross-entropy where the logits are sharded."""
-        return vocab_parallel_loss() if self.tensor_parallel > 1 and self.loss_parallel else nullcontext()
-
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self._loss_context():  # a pipeline schedule runs backward in here too
-            return super().training_step(*args, **kwargs)
-
-    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self._loss_context():
-            return super().validation_step(*args, **kwargs)
-
-    def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self._loss_context():
-            return super().test_step(*args, **kwargs)
-
-    def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
-        if self.pipeline is None:
-            with self._loss_context():
-                return super().backward(closure_loss, optimizer, *args, **kwargs)
-        # the pipeline schedule ran every microbatch's backward in training_step; the hooks still run once
-        module = self.lightning_module
-        self.pre_backward(closure_loss)
-        closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
-        closure_loss = self.precision_plugin.post_backward(closure_loss, module)
-        self.post_backward(closure_loss)
-        return closure_loss
-
-    def post_backward(self, closure_loss: Tensor) -> None:
-        super().post_backward(closure_loss)
-        # before on_before_optimizer_step: every callback sees whole gradients
-        if self.tensor_parallel > 1:
-            reduce_partial_grads(self.lightning_module)
-
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
         strategy_registry.register(
-            "lt_parallel", cls, description="lightning_train ParallelStrategy (data x tensor parallel)",
+            "lt_parallel", cls, description="lightning_train ParallelStrategy (data x tensor x pipeline)",
             override=True,
         )

@@ -1,14 +1,21 @@
-"""Apply data parallelism to a plain model from outside (torchtitan style): the model file stays plain.
+"""Lay a plain model out over the device mesh from outside (torchtitan style): the model file stays plain.
+``ParallelStrategy`` calls these, in this order; they call ``pipeline.py`` and ``tensor_parallel.py``:
 
-``apply_fsdp`` shards each transformer block, then the root, with FSDP2's ``fully_shard``;
-``apply_activation_checkpointing`` recomputes each block's activations in backward;
-``register_comm_hook`` installs a DDP communication-hook preset. ``build_mesh`` makes the 1-D (FSDP)
-or 2-D (replicate x shard, HSDP) device mesh.
+- ``check_layout_options`` and ``check_layout``: options that cannot work together, sizes that do not
+  divide the world (before any process starts); ``check_model_layout``: a model or batch the layout cannot
+  split (the strategy's one check of the model);
+- ``build_mesh``: the one mesh every layout uses, ``MESH_DIMS`` = ``(pp, dp_replicate, dp_shard, tp)``,
+  outermost first;
+- ``keep_own_stages``: this rank's pipeline stages in place of the GPT; ``parallelize_model``: tensor
+  parallelism, activation checkpointing, then FSDP2 (``apply_fsdp``: each block, then the root);
+  ``tied_embedding_group``: the group whose gradients a tied embedding sums; ``register_comm_hook``: a DDP
+  communication-hook preset.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from collections.abc import Sequence
+from typing import Any, Literal
 
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
@@ -16,11 +23,25 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.nn.parallel import DistributedDataParallel
 
-from lightning_train._compat import checkpoint_activations, ddp_comm_hook_name
+from lightning_train._compat import checkpoint_activations, ddp_comm_hook_name, is_compiled
 from lightning_train.errors import UserInputError
+from lightning_train.strategies.pipeline import (
+    check_microbatches,
+    check_pipeline,
+    check_stages,
+    check_zero_bubble,
+    last_stage_rank,
+    pipeline_stage_ids,
+    split_blocks,
+    stage_model,
+)
+from lightning_train.strategies.tensor_parallel import apply_tensor_parallel, check_tensor_parallel
 
 CommHook = Literal["fp16_compress", "bf16_compress", "powersgd"]
 COMM_HOOKS = ("fp16_compress", "bf16_compress", "powersgd")
+# tensor parallelism, the most communication-hungry, innermost (neighbouring ranks, inside a node);
+# pipeline stages, which exchange one activation per microbatch, outermost (across nodes)
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
 
 
 def check_comm_hook(preset: str | None) -> None:
@@ -29,26 +50,116 @@ def check_comm_hook(preset: str | None) -> None:
         raise UserInputError(f"comm_hook={preset!r} is not one of {', '.join(COMM_HOOKS)} (or null)")
 
 
-def check_replicate_size(replicate_size: int, num_nodes: int, devices: int) -> None:
-    """Refuse an HSDP ``replicate_size`` that does not divide the world size ``num_nodes * devices``."""
+def check_layout(
+    tensor_parallel: int, replicate_size: Any, num_nodes: int, devices: int, pipeline_parallel: int = 1
+) -> None:
+    """Refuse a mesh that does not divide the world size ``num_nodes * devices``: ``tensor_parallel`` x
+    ``pipeline_parallel`` must divide it, and HSDP's ``replicate_size`` the data-parallel size left."""
     world_size = num_nodes * devices
+    if tensor_parallel < 1 or world_size % tensor_parallel:
+        raise UserInputError(
+            f"tensor_parallel={tensor_parallel} does not divide the world size {world_size} "
+            f"(num_nodes={num_nodes} x devices={devices}); use a divisor of the devices of one node"
+        )
+    if world_size % (tensor_parallel * pipeline_parallel):
+        raise UserInputError(
+            f"tensor_parallel={tensor_parallel} x pipeline_parallel={pipeline_parallel} does not divide the "
+            f"world size {world_size} (num_nodes={num_nodes} x devices={devices}); use sizes whose product "
+            "divides it"
+        )
     if not isinstance(replicate_size, int) or replicate_size < 1 or world_size % replicate_size:
         raise UserInputError(
             f"replicate_size={replicate_size!r} does not divide the world size {world_size} "
             f"(num_nodes={num_nodes} x devices={devices}); use a divisor, or 'nodes' (one replica per node, "
             "whatever the node count of a launch)"
         )
+    data_parallel = world_size // (tensor_parallel * pipeline_parallel)
+    if data_parallel % replicate_size:
+        raise UserInputError(
+            f"replicate_size={replicate_size} does not divide the data-parallel size {data_parallel} "
+            f"(world size {world_size} / tensor_parallel={tensor_parallel} / pipeline_parallel="
+            f"{pipeline_parallel}); use a divisor, or 'nodes' (one replica per node)"
+        )
 
 
-def build_mesh(device_type: str, num_nodes: int, devices: int, replicate_size: int) -> DeviceMesh:
-    """A ``("replicate", "shard")`` mesh over ``num_nodes * devices`` ranks: ``replicate_size`` groups
-    (usually nodes) that each shard the model over ``world_size // replicate_size`` ranks.
-    ``replicate_size=1`` is plain FSDP."""
-    check_replicate_size(replicate_size, num_nodes, devices)
-    world_size = num_nodes * devices
-    return init_device_mesh(
-        device_type, (replicate_size, world_size // replicate_size), mesh_dim_names=("replicate", "shard")
-    )
+def check_layout_options(
+    tensor_parallel: Any,
+    pipeline_parallel: int,
+    sharding: str,
+    schedule: str,
+    microbatches: int,
+    virtual_stages: int,
+    split_points: Sequence[int] | None,
+) -> None:
+    """Refuse layout options that cannot work together, whatever the model (``tensor_parallel="auto"``
+    plans the other sizes)."""
+    auto = tensor_parallel == "auto"
+    if auto and (pipeline_parallel != 1 or sharding != "auto"):
+        raise UserInputError(
+            f"tensor_parallel='auto' plans pipeline_parallel and sharding too; leave them at 1 and "
+            f"'auto' (got {pipeline_parallel} and {sharding!r}), or give tensor_parallel as a number"
+        )
+    if not auto and (not isinstance(tensor_parallel, int) or tensor_parallel < 1):
+        raise UserInputError(f"tensor_parallel={tensor_parallel!r}: use an int >= 1 or 'auto'")
+    check_pipeline(pipeline_parallel, schedule, microbatches, virtual_stages, split_points)
+    tensor_parallel = 1 if auto else tensor_parallel
+    if tensor_parallel * pipeline_parallel > 1 and sharding == "ddp":
+        raise UserInputError(
+            f"sharding='ddp' does not combine with tensor_parallel={tensor_parallel} x "
+            f"pipeline_parallel={pipeline_parallel} yet; use sharding='fsdp' (or 'auto')"
+        )
+
+
+def check_model_layout(
+    module: nn.Module,
+    batch_size: int | None,
+    tensor_parallel: int,
+    pipeline_parallel: int,
+    virtual_stages: int,
+    schedule: str,
+    split_points: Sequence[int] | None,
+    microbatches: int,
+    data_parallel: int,
+    activation_checkpointing: bool,
+) -> None:
+    """Refuse a model (a LightningModule holding a GPT, built or not yet), or a per-device batch of
+    ``batch_size`` sequences, that the layout cannot split."""
+    config = getattr(module, "config", None)
+    check_tensor_parallel(tensor_parallel, config)
+    model = find_transformer(module)
+    if pipeline_parallel > 1:
+        compiled = bool(getattr(module, "hparams", {}).get("compile")) or (
+            model is not None and is_compiled(model)
+        )
+        check_zero_bubble(
+            schedule, data_parallel, tensor_parallel, bool(getattr(config, "tie_embeddings", False)),
+            activation_checkpointing, compiled,
+        )
+        check_stages(pipeline_parallel * virtual_stages, getattr(config, "n_layer", 0), split_points)
+        check_microbatches(batch_size, microbatches)
+    if not any(True for _ in module.parameters()):
+        return  # not built yet (configure_model builds it)
+    if model is None:
+        raise UserInputError(
+            f"tensor_parallel={tensor_parallel} x pipeline_parallel={pipeline_parallel} needs a GPT (a "
+            f"module with `blocks`); {type(module).__name__} has none"
+        )
+    if pipeline_parallel > 1 and all(child is not model for child in module.children()):
+        raise UserInputError(
+            f"pipeline_parallel needs the GPT as a direct attribute of {type(module).__name__} (e.g. "
+            "self.model)"
+        )
+
+
+def build_mesh(
+    device_type: str, world_size: int, tensor_parallel: int, pipeline_parallel: int, replicate_size: int = 1
+) -> DeviceMesh:
+    """The ``MESH_DIMS`` mesh over ``world_size`` ranks: ``pipeline_parallel`` stages, each of
+    ``replicate_size`` HSDP replica groups that shard over the data-parallel ranks left, each of those
+    ``tensor_parallel`` ranks that split every layer."""
+    data_parallel = world_size // (tensor_parallel * pipeline_parallel)
+    shape = (pipeline_parallel, replicate_size, data_parallel // replicate_size, tensor_parallel)
+    return init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)
 
 
 def find_transformer(model: nn.Module) -> nn.Module | None:
@@ -108,6 +219,74 @@ def apply_fsdp(
         # the last block's parameters are needed again right away in backward: keep them gathered
         fully_shard(block, reshard_after_forward=reshard_after_forward and index < len(blocks) - 1, **options)
     fully_shard(root, reshard_after_forward=reshard_after_forward, **options)
+
+
+def keep_own_stages(
+    module: nn.Module,
+    pp_rank: int,
+    pipeline_parallel: int,
+    virtual_stages: int,
+    schedule: str,
+    split_points: Sequence[int] | None,
+) -> tuple[list[int], list[nn.Module]]:
+    """Replace the GPT of ``module`` (a direct child) by what pipeline rank ``pp_rank``'s stages hold
+    (``pipeline.stage_model``; the rest is freed); returns those stages' ids and models, in schedule order."""
+    model = find_transformer(module)
+    num_stages = pipeline_parallel * virtual_stages
+    splits = split_blocks(model, num_stages, split_points)
+    stage_ids = pipeline_stage_ids(pp_rank, pipeline_parallel, virtual_stages, schedule)
+    stages = [stage_model(model, splits[i], i == 0, i == num_stages - 1) for i in stage_ids]
+    if is_compiled(model):  # a stage is a new module: compile it as the whole model was
+        for stage in stages:
+            stage.compile()
+    held = stages[0]
+    if virtual_stages > 1:  # the module holds all of this rank's stages (state dict, optimizer)
+        owned = [index for i in stage_ids for index in splits[i]]
+        held = stage_model(model, owned, 0 in stage_ids, num_stages - 1 in stage_ids)
+    name = next(name for name, child in module.named_children() if child is model)
+    setattr(module, name, held)
+    return stage_ids, stages
+
+
+def tied_embedding_group(
+    mesh: DeviceMesh, schedule: str, tied: bool
+) -> torch.distributed.ProcessGroup | None:
+    """The group of the first and the last stage's ranks of this rank's pipeline (a tied embedding's
+    two copies), created on every rank as ``new_subgroups_by_enumeration`` requires; None if untied, or
+    if one rank runs both (the V-shaped schedules: one embedding, its gradients summed by autograd)."""
+    last = last_stage_rank(mesh["pp"].size(), schedule)
+    if not tied or last == 0:
+        return None
+    ranks = mesh.mesh  # MESH_DIMS: global ranks by (pp, dp_replicate, dp_shard, tp)
+    pairs = [[int(a), int(b)] for a, b in zip(ranks[0].flatten(), ranks[last].flatten(), strict=True)]
+    group, _ = torch.distributed.new_subgroups_by_enumeration(
+        pairs, backend=torch.distributed.get_backend()
+    )
+    return group  # None on the ranks of the middle stages
+
+
+def parallelize_model(
+    module: nn.Module,
+    stages: Sequence[nn.Module],
+    tp_mesh: DeviceMesh,
+    loss_parallel: bool,
+    activation_checkpointing: bool,
+    fsdp_mesh: DeviceMesh | None,
+    **fsdp_options: Any,
+) -> None:
+    """Lay ``module`` out in place, in torchtitan's order: tensor parallelism over ``tp_mesh`` (when it has
+    more than one rank) on each pipeline stage of this rank (``stages``; none: the whole GPT), then
+    activation checkpointing on every block, then FSDP2 over ``fsdp_mesh`` (None: nothing to shard over)
+    with each stage, or the whole module, a root of its own (a schedule runs stages, never the whole
+    module). ``fsdp_options``: ``apply_fsdp``'s."""
+    if tp_mesh.size() > 1:
+        for part in stages or [find_transformer(module)]:
+            apply_tensor_parallel(part, tp_mesh, loss_parallel)
+    if activation_checkpointing:
+        apply_activation_checkpointing(module)
+    if fsdp_mesh is not None:
+        for root in stages or [module]:
+            apply_fsdp(root, fsdp_mesh, **fsdp_options)
 
 
 def register_comm_hook(model: DistributedDataParallel, preset: CommHook, backend: str) -> str | None:

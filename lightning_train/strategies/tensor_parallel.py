@@ -107,9 +107,9 @@ class HeadParallelQKV(ParallelStyle):
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool = True) -> None:
     """Shard ``model`` (a ``GPT``) over ``tp_mesh`` in place, with sequence parallelism (module doc).
     ``loss_parallel`` (``ParallelStrategy``'s): the model returns its logits as a DTensor sharded by
-    vocabulary (for ``vocab_parallel_loss``), else gathered whole."""
+    vocabulary (for ``vocab_parallel_loss``), else gathered whole. The caller has checked the size
+    (``check_tensor_parallel``)."""
     config, size = model.config, tp_mesh.size()
-    check_tensor_parallel(size, config)
     head = (
         ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)
         if loss_parallel
