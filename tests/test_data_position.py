@@ -13,6 +13,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
+from lightning_train.callbacks import GlobalBatch
 from lightning_train.data import SFTDataModule, TextDataModule, prepare
 from lightning_train.errors import UserInputError
 from tests.conftest import REPO, cli_env
@@ -164,7 +165,8 @@ def fit_rows(
     trainer = L.Trainer(
         accelerator="cpu", devices=1, max_steps=max_steps, limit_train_batches=limit, limit_val_batches=0,
         logger=False, enable_progress_bar=False, enable_model_summary=False, default_root_dir=root,
-        callbacks=[ModelCheckpoint(root, every_n_train_steps=every, save_top_k=-1, save_last=True)],
+        callbacks=[ModelCheckpoint(root, every_n_train_steps=every, save_top_k=-1, save_last=True),
+                   GlobalBatch()],
         accumulate_grad_batches=accumulate,
     )  # fmt: skip
     data = TextDataModule(str(dataset), seq_len=16, batch_size=batch_size, num_workers=num_workers,
