@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import LightningDataModule, LightningModule, Trainer
+from lightning.pytorch.accelerators import CUDAAccelerator
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities import rank_zero_info
@@ -278,6 +279,8 @@ class LightningTrainCLI(LightningCLI):
         try:
             if check_model is not None:  # a layout the model cannot take: one line, before any process starts
                 check_model(model, kwargs.get("datamodule"))
+            if isinstance(self.trainer.accelerator, CUDAAccelerator):
+                torch.set_float32_matmul_precision("high")  # TF32 for the fp32 matmuls autocast leaves
             trainer_fn(model, **kwargs)
             failed = False
         except (RuntimeError, OSError) as error:
