@@ -205,11 +205,6 @@ class GlobalOrderSampler(DistributedSampler):
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if "consumed" not in state:
-            raise UserInputError(
-                "the checkpoint's data position was saved by an older lightning_train (per rank, not "
-                "global); resume it with the version that wrote it, or start a new run from its weights"
-            )
         if (state["dataset_size"], state["seed"]) != (len(self.dataset), self.seed):
             raise UserInputError(
                 f"the checkpoint's data position is in the order of {state['data']} with "
