@@ -12,13 +12,11 @@ sample order, the global samples consumed. Two things about the global batch bel
   of the epoch's batches in batches of the old size, so its epoch would end too early (samples left out)
   or too late; at train start the count is restated in batches of this size, as the sampler worked out.
 
-``python -m lightning_train`` adds it to every run; in your own Trainer, add it with such a data module:
+``python -m lightning_train`` adds it to every run. In your own Trainer, add it wherever the data module
+is a ``ResumableDataModule`` (without it, a ``global_batch_size`` is refused with this advice)::
 
-    >>> import lightning as L
-    >>> from lightning_train.callbacks import GlobalBatch
-    >>> trainer = L.Trainer(callbacks=[GlobalBatch()], max_steps=10, logger=False)
-    >>> any(isinstance(callback, GlobalBatch) for callback in trainer.callbacks)
-    True
+    trainer = L.Trainer(devices=8, callbacks=[GlobalBatch()])
+    trainer.fit(module, TextDataModule(batch_size=8, global_batch_size=512))  # 8 x 8 x 8 accumulated
 """
 
 from __future__ import annotations
