@@ -136,7 +136,8 @@ GLOBAL_STATE = (
      "from lightning_train import GPT, GPTConfig, PretrainModule, TextDataModule\n"
      "import lightning_train.callbacks, lightning_train.checkpoint, lightning_train.loggers\n"
      "import lightning_train.modules, lightning_train.plugins\n"
-     "PretrainModule(GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=8, vocab_size=64)).configure_model()",
+     "config = GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=8, vocab_size=64)\n"
+     "PretrainModule(config).configure_model()",
      []),
     # the control: what the CLI installs as it starts is seen
     ("from lightning_train._warnings import silence_known_noise, plain_package_warnings\n"
