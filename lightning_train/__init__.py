@@ -1,10 +1,10 @@
 """lightning_train: train language models with PyTorch Lightning, from pretraining to fine-tuning.
 
 The names below are imported on first use (``_lazy.py``): ``from lightning_train import GPT`` does not
-import Lightning."""
+import Lightning. Importing the package changes nothing global: no warning filter, import hook or
+TF32 switch (the CLI installs what it needs when it runs, ``cli/__init__.py``)."""
 
 from lightning_train._lazy import lazy_exports
-from lightning_train._warnings import silence_known_noise
 
 __all__ = [
     "GPT",
@@ -27,5 +27,3 @@ __getattr__, __dir__ = lazy_exports(globals(), {
     "TextDataModule": "lightning_train.data.text",
     "UserInputError": "lightning_train.errors",
 })
-
-silence_known_noise()  # filters scoped to known dependency messages; see _warnings.py

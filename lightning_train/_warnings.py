@@ -49,7 +49,8 @@ class _DropMatching(logging.Filter):
 
 
 def silence_known_noise() -> None:
-    """Install the filters above; ``import lightning_train`` does (idempotent)."""
+    """Install the filters above (idempotent). The CLI does, as it starts; importing the package does not,
+    so a library user's warning filters stay theirs."""
     for message, category, module in _KNOWN_WARNINGS:
         warnings.filterwarnings("ignore", message=message, category=category, module=module)
     if "SLURM_JOB_ID" not in os.environ:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import lightning as L
@@ -13,6 +14,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
+from lightning_train.callbacks import GlobalBatch
 from lightning_train.data import SFTDataModule, TextDataModule, prepare
 from lightning_train.errors import UserInputError
 from tests.conftest import REPO, cli_env
@@ -164,7 +166,8 @@ def fit_rows(
     trainer = L.Trainer(
         accelerator="cpu", devices=1, max_steps=max_steps, limit_train_batches=limit, limit_val_batches=0,
         logger=False, enable_progress_bar=False, enable_model_summary=False, default_root_dir=root,
-        callbacks=[ModelCheckpoint(root, every_n_train_steps=every, save_top_k=-1, save_last=True)],
+        callbacks=[ModelCheckpoint(root, every_n_train_steps=every, save_top_k=-1, save_last=True),
+                   GlobalBatch()],
         accumulate_grad_batches=accumulate,
     )  # fmt: skip
     data = TextDataModule(str(dataset), seq_len=16, batch_size=batch_size, num_workers=num_workers,
@@ -230,6 +233,41 @@ def test_global_batch_size_keeps_the_samples_of_a_step_when_the_batch_per_device
     with pytest.raises(UserInputError, match=r"--trainer.accumulate_grad_batches=2 and global_batch_size=8 "
                                              r"both set the accumulation"):
         fit_rows(dataset, tmp_path / "d", 4, 1, global_batch_size=8, accumulate=2)
+
+
+class EpochEnds(L.Callback):
+    def __init__(self) -> None:
+        self.steps: list[int] = []
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.steps.append(trainer.global_step)
+
+
+@pytest.mark.parametrize("keeper", [True, False], ids=["GlobalBatch", "without"])
+def test_after_a_resume_at_another_global_batch_lightnings_epoch_ends_with_the_datas(
+    dataset: Path, tmp_path: Path, keeper: bool
+):
+    """20 steps of 4 (80 of 240 windows), resumed with batches of 8: the data's epoch 0 ends after 20 more
+    steps, and GlobalBatch makes Lightning's end there too (step 40). Without it Lightning counts the 20
+    batches done at the old size and ends its epoch elsewhere (the samples stay right: the sampler goes on
+    with its own epoch), and the loader says what to add."""
+    first = L.Trainer(accelerator="cpu", devices=1, max_steps=20, limit_val_batches=0, logger=False,
+                      enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path)
+    first.fit(RowRecorder(), TextDataModule(str(dataset), seq_len=16, batch_size=4))
+    first.save_checkpoint(tmp_path / "step20.ckpt")
+    ends = EpochEnds()
+    resumed = L.Trainer(accelerator="cpu", devices=1, max_steps=50, limit_val_batches=0, logger=False,
+                        enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
+                        callbacks=[ends, GlobalBatch()] if keeper else [ends])
+    with warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
+        resumed.fit(RowRecorder(), TextDataModule(str(dataset), seq_len=16, batch_size=8),
+                    ckpt_path=tmp_path / "step20.ckpt")
+    advice = [w for w in warned if "add lightning_train.callbacks.GlobalBatch()" in str(w.message)]
+    if keeper:
+        assert ends.steps[0] == 40 and not advice
+    else:  # the control: the count does need restating, and a Trainer without GlobalBatch is told
+        assert ends.steps[0] != 40 and len(advice) == 1
 
 
 def test_resume_from_the_checkpoint_written_when_max_steps_stopped_the_run(dataset: Path, tmp_path: Path):

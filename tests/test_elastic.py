@@ -16,7 +16,7 @@ from lightning.pytorch.plugins.environments import ClusterEnvironment
 
 from lightning_train.checkpoint import AtomicCheckpointIO
 from lightning_train.cli.elastic import torchrun_layout
-from lightning_train.cli.trainer import _run_defaults
+from lightning_train.cli.run_defaults import run_defaults
 from lightning_train.errors import UserInputError
 from tests.conftest import REPO, cli_env
 from tests.helpers.ft_runs import MAX_STEPS, assert_same, batches, final_state, fit, write_config
@@ -132,7 +132,7 @@ def test_torchrun_layout_follows_the_group(monkeypatch: pytest.MonkeyPatch) -> N
 def test_under_torchrun_inside_slurm_the_ranks_are_torchruns(monkeypatch: pytest.MonkeyPatch,
                                                               tmp_path: Path) -> None:
     def environments() -> list[str]:
-        plugins = _run_defaults({"default_root_dir": str(tmp_path)}, "fit", ["fit"])["plugins"]
+        plugins = run_defaults({"default_root_dir": str(tmp_path)}, "fit", ["fit"])["plugins"]
         return [type(plugin).__name__ for plugin in plugins if isinstance(plugin, ClusterEnvironment)]
 
     monkeypatch.setenv("SLURM_NTASKS", "2")  # srun started this process: one task of a SLURM job step

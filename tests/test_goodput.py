@@ -20,7 +20,7 @@ import pytest
 from lightning_train import GPTConfig, PretrainModule, TextDataModule
 from lightning_train.callbacks import Goodput, NaNRecovery, PreemptionCheckpoint
 from lightning_train.checkpoint import AtomicCheckpointIO, read_checkpoint
-from lightning_train.cli.trainer import _run_defaults
+from lightning_train.cli.run_defaults import run_defaults
 from lightning_train.loggers.goodput import (
     GOODPUT_FILE,
     PARTS,
@@ -100,7 +100,7 @@ def test_skipped_and_rolled_back_steps_are_recovery(tmp_path: Path) -> None:
 def test_the_cli_adds_goodput_to_fit_unless_the_config_has_one(tmp_path: Path) -> None:
     def goodputs(callbacks: list, subcommand: str = "fit") -> list:
         config = {"default_root_dir": str(tmp_path), "callbacks": callbacks}
-        return [c for c in _run_defaults(config, subcommand, [])["callbacks"] if isinstance(c, Goodput)]
+        return [c for c in run_defaults(config, subcommand, [])["callbacks"] if isinstance(c, Goodput)]
 
     assert len(goodputs([])) == 1 and goodputs([])[0].start == "process"
     own = Goodput(start="created")

@@ -151,3 +151,42 @@ def test_the_not_empty_warning_stays_for_every_folder_but_the_resumed_one(tmp_pa
             ModelCheckpoint(dirpath=folder).setup(trainer, L.LightningModule(), "fit")
     shown = [str(w.message) for w in caught if NOT_EMPTY in str(w.message)]
     assert shown == [f"Checkpoint directory {other} exists and is not empty."]
+
+
+@pytest.mark.parametrize("how", ["--resume=auto", "--ckpt_path", "sharded"])
+def test_a_resume_reads_each_manifest_once_and_hashes_each_file_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, how: str
+) -> None:
+    """Picking the checkpoint (``--resume``, or Lightning's ``--ckpt_path`` check), the run folder's and
+    the restart's checks and the strategy's load all ask about the checkpoint: each file of it is hashed
+    once and each manifest read once in the process (counted per file version: the resumed run writes a
+    new ``last.ckpt`` under the same name)."""
+    import time
+
+    from lightning_train.checkpoint import format as checkpoint_format
+    from tests.conftest import run_cli_in_process
+
+    strategy = ("--trainer.strategy=lt_fsdp",) if how == "sharded" else ()
+    args = ("fit", "--config", str(CONFIGS / "pretrain-tiny.yaml"), "--trainer.limit_val_batches=0",
+            "--run_name=counted", *SMALL, *QUIET, *strategy)
+    first = run_cli_in_process(*args, "--trainer.max_steps=2", cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    time.sleep(2.1)  # files changed within the last seconds are checked every time (format._identities)
+    counts: dict[tuple[str, int], int] = {}
+
+    def counting(function):
+        def counted(path: Path, *rest):
+            key = (str(path), Path(path).stat().st_ino)
+            counts[key] = counts.get(key, 0) + 1
+            return function(path, *rest)
+        return counted
+
+    monkeypatch.setattr(checkpoint_format, "sha256_file", counting(checkpoint_format.sha256_file))
+    monkeypatch.setattr(checkpoint_format, "_load_manifest_file",
+                        counting(checkpoint_format._load_manifest_file))
+    last = tmp_path / "runs/counted/checkpoints/last.ckpt"
+    resume = ("--resume=auto",) if how != "--ckpt_path" else (f"--ckpt_path={last}",)
+    resumed = run_cli_in_process(*args, "--trainer.max_steps=4", *resume, cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert any("last.ckpt" in path for path, _ in counts), counts  # the control: the counter sees them
+    assert {key: count for key, count in counts.items() if count > 1} == {}

@@ -110,3 +110,44 @@ def tool_runs(work: Path) -> dict[str, list[str]]:
 def test_tool_runs_without_lightning_or_torchmetrics(tool, tiny_run):
     """Each tool does its real work on a real run folder and checkpoint, still without Lightning."""
     assert imported(tool_runs(tiny_run)[tool], tiny_run) == []
+
+
+# Process-wide state a library import could change: warning filters and format, import hooks, log filters,
+# the TF32 switches. Lightning and torch are imported first: their own settings are theirs.
+GLOBAL_STATE = (
+    "import logging, sys, warnings\n"
+    "import lightning, torch\n"
+    "def snapshot():\n"
+    "    loggers = {name: [repr(f) for f in logging.getLogger(name).filters]\n"
+    "               for name in sorted(logging.root.manager.loggerDict)}\n"
+    "    return {'filters': [repr(f) for f in warnings.filters], 'format': warnings.formatwarning,\n"
+    "            'meta_path': [repr(finder) for finder in sys.meta_path], 'log_filters': loggers,\n"
+    "            'tf32': (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32,\n"
+    "                     torch.get_float32_matmul_precision())}\n"
+    "before = snapshot()\n"
+    "{imports}\n"
+    "after = snapshot()\n"
+    "print(sorted(key for key in before if before[key] != after[key]))\n"
+)
+
+
+@pytest.mark.parametrize(("imports", "changed"), [
+    ("import lightning_train\n"
+     "from lightning_train import GPT, GPTConfig, PretrainModule, TextDataModule\n"
+     "import lightning_train.callbacks, lightning_train.checkpoint, lightning_train.loggers\n"
+     "import lightning_train.modules, lightning_train.plugins\n"
+     "config = GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=8, vocab_size=64)\n"
+     "PretrainModule(config).configure_model()",
+     []),
+    # the control: what the CLI installs as it starts is seen
+    ("from lightning_train._warnings import silence_known_noise, plain_package_warnings\n"
+     "silence_known_noise()\nplain_package_warnings()", ["filters", "format", "log_filters"]),
+], ids=["the-package-changes-nothing", "the-cli-setup-is-seen"])
+def test_importing_the_package_changes_nothing_global(imports, changed, tmp_path):
+    """``import lightning_train`` (and its library packages, and building a module's model) leaves the
+    process's warning filters, import hooks, log filters and TF32 settings as they were; the CLI switches
+    on what it needs when it runs."""
+    result = subprocess.run([sys.executable, "-c", GLOBAL_STATE.replace("{imports}", imports)], cwd=tmp_path,
+                            env=cli_env(), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip() == str(changed)

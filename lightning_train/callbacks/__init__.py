@@ -1,6 +1,7 @@
 """Training-health callbacks; each works in any Lightning Trainer."""
 
 from lightning_train.callbacks.data_mixture import DataMixtureMonitor
+from lightning_train.callbacks.global_batch import GlobalBatch
 from lightning_train.callbacks.goodput import Goodput
 from lightning_train.callbacks.grad_norm import GradNormMonitor
 from lightning_train.callbacks.hang_watchdog import HangWatchdog
@@ -19,6 +20,7 @@ from lightning_train.errors import TrainingAborted  # its home is errors.py; doc
 
 __all__ = [
     "DataMixtureMonitor",
+    "GlobalBatch",
     "Goodput",
     "GradNormMonitor",
     "HangWatchdog",

@@ -7,6 +7,10 @@ of a file ``X.ckpt`` is ``X.ckpt.manifest.json`` next to it; a folder carries it
 
 Writing is ``atomic.py``'s: a checkpoint appears under its final name only once complete.
 
+A resume asks about the same checkpoint several times (``--resume`` picks it, Lightning's ``--ckpt_path``
+check, the strategy's load): each process reads a manifest once and hashes a file once while neither
+changes (``_Seen``: keyed by each file's inode, size, mtime and ctime, which any write changes).
+
 Loading never unpickles code of the file's choosing: ``read_checkpoint`` verifies the file, then
 ``torch.load(weights_only=True)`` accepts tensors, plain containers and the few plain-value types in
 ``safe_globals()``. Every way a file can be bad (missing, truncated, foreign, holding Python objects,
@@ -15,10 +19,12 @@ newer format) ends in one ``UserInputError`` naming the file and the fix.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import pathlib
 import re
+import time
 import zipfile
 from pathlib import Path
 from typing import IO, Any
@@ -44,6 +50,50 @@ from lightning_train.models.lora import LoRAConfig
 from lightning_train.storage import is_file, is_remote, join
 
 _CHUNK = 1 << 22
+_SETTLE_NS = 2_000_000_000  # a file changed longer ago than this is kept by its identity (see _identities)
+
+
+Identities = tuple[tuple[int, ...], ...]
+
+
+class _Seen:
+    """What this process already read or verified, for as long as the files it came from keep the
+    identities (``_identities``) they had when it was read."""
+
+    def __init__(self) -> None:
+        self._values: dict[Path, tuple[Identities, Any]] = {}
+
+    def get(self, key: Path, identities: Identities | None) -> tuple[bool, Any]:
+        """``(True, value)`` when ``key`` was stored with these identities; else ``(False, None)``."""
+        stored = self._values.get(key)
+        found = identities is not None and stored is not None and stored[0] == identities
+        return (True, stored[1]) if found else (False, None)
+
+    def put(self, key: Path, identities: Identities | None, value: Any) -> None:
+        if identities is not None:
+            self._values[key] = (identities, value)
+
+
+def _identities(files: list[Path]) -> Identities | None:
+    """Each file's (inode, size, mtime, ctime): a write or a replacement changes one of them (ctime
+    cannot be set back). None, so nothing is kept, when a file is gone or was changed within the last
+    seconds: file times tick coarsely, and a second write in the same tick would leave them as they were
+    (git's "racy clean" files)."""
+    found = []
+    settled = time.time_ns() - _SETTLE_NS
+    for path in files:
+        try:
+            stat = path.stat()
+        except OSError:
+            return None
+        if max(stat.st_mtime_ns, stat.st_ctime_ns) > settled:
+            return None
+        found.append((stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns))
+    return tuple(found)
+
+
+_manifests_read = _Seen()  # manifest path -> its parsed manifest
+_checkpoints_verified = _Seen()  # checkpoint path -> the manifest it verified against (None: it has none)
 
 
 # ---- the manifest ---------------------------------------------------------------------------------------
@@ -84,6 +134,15 @@ def read_manifest(checkpoint: str | Path) -> dict[str, Any] | None:
     path = manifest_path(checkpoint)
     if not path.is_file():
         return None
+    identities = _identities([path])  # taken before the read: a write during it makes the next one read
+    seen, manifest = _manifests_read.get(path, identities)
+    if not seen:
+        manifest = _load_manifest_file(path)
+        _manifests_read.put(path, identities, manifest)
+    return copy.deepcopy(manifest)
+
+
+def _load_manifest_file(path: Path) -> dict[str, Any]:
     try:
         manifest = json.loads(path.read_text())
     except (OSError, ValueError) as error:
@@ -109,6 +168,24 @@ def verify_checkpoint(checkpoint: str | Path) -> dict[str, Any] | None:
         raise CorruptCheckpointError(f"checkpoint {checkpoint} does not exist")
     checkpoint = checkpoint.resolve()  # ModelCheckpoint(save_last="link") makes last.ckpt a symlink
     manifest = read_manifest(checkpoint)
+    identities = _identities(_verified_files(checkpoint, manifest))  # before the check, as above
+    if _checkpoints_verified.get(checkpoint, identities) == (True, manifest):
+        return manifest  # verified by this process, and no file of it changed since
+    _check_files(checkpoint, manifest)
+    _checkpoints_verified.put(checkpoint, identities, manifest)
+    return manifest
+
+
+def _verified_files(checkpoint: Path, manifest: dict[str, Any] | None) -> list[Path]:
+    """The files a verification of ``checkpoint`` reads: its manifest and the files it lists, else the
+    file itself (or a folder's DCP ``.metadata``)."""
+    if manifest is None:
+        return [checkpoint / DCP_METADATA if checkpoint.is_dir() else checkpoint]
+    root = checkpoint if checkpoint.is_dir() else checkpoint.parent
+    return [manifest_path(checkpoint), *(root / name for name in manifest["files"])]
+
+
+def _check_files(checkpoint: Path, manifest: dict[str, Any] | None) -> None:
     if manifest is None:
         if checkpoint.is_dir():
             # a sharded save without our manifest: DCP writes .metadata last, after every shard
@@ -116,7 +193,7 @@ def verify_checkpoint(checkpoint: str | Path) -> dict[str, Any] | None:
                 raise CorruptCheckpointError(f"checkpoint folder {checkpoint} is unfinished (no .metadata)")
         else:
             verify_zip(checkpoint)
-        return None
+        return
     check_format_version(int(manifest.get("format_version", 0)), checkpoint)
     root = checkpoint if checkpoint.is_dir() else checkpoint.parent
     for name, expected in manifest["files"].items():
@@ -130,7 +207,6 @@ def verify_checkpoint(checkpoint: str | Path) -> dict[str, Any] | None:
             )
         if sha256_file(path) != expected["sha256"]:
             raise CorruptCheckpointError(f"checkpoint {path} does not match the sha256 in its manifest")
-    return manifest
 
 
 def verify_zip(path: Path) -> None:

@@ -198,8 +198,8 @@ def _from_lightning_checkpoint(
         raise UserInputError(f"checkpoint {source!r} records no GPTConfig; give its model.config to load it")
     tokenizer = hparams.get("tokenizer") or _tokenizer_of_data(checkpoint) or _byte_if_fits(config)
     lora = hparams.get("lora") or None
-    if lora is not None:  # a dict in checkpoints of this version, a LoRAConfig in older ones
-        lora = saved_lora_config(LoRAConfig(**lora) if isinstance(lora, dict) else lora, saved_keys())
+    if lora is not None:  # FinetuneModule saves its LoRAConfig as a dict
+        lora = saved_lora_config(LoRAConfig(**lora), saved_keys())
 
     def network_weights() -> StateDict:
         if read_shards is not None:

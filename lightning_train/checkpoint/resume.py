@@ -174,7 +174,13 @@ def _ranked(folder: str | Path) -> list[tuple[Path | str, int | None]]:
         is_file_checkpoint = entry.is_file() and entry.suffix == ".ckpt"
         if is_file_checkpoint or _is_checkpoint_folder(entry):
             seen.setdefault(entry.resolve(), entry)  # a symlinked last.ckpt is its target
-    keyed = [(path, _step(path), path.stat().st_mtime) for path in seen.values()]
+    keyed = []
+    for path in seen.values():
+        try:
+            modified = path.stat().st_mtime
+        except FileNotFoundError:  # removed since the listing: a writer's retention running meanwhile
+            continue
+        keyed.append((path, _step(path), modified))
     keyed.sort(key=lambda item: (-1 if item[1] is None else item[1], item[2]), reverse=True)
     return [(path, step) for path, step, _ in keyed]
 

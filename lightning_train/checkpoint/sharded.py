@@ -35,7 +35,6 @@ from lightning_train.checkpoint.background import BackgroundWriter
 from lightning_train.checkpoint.format import (
     is_sharded_checkpoint,
     load_torch_file,
-    sharded_folder_error,
     verify_checkpoint,
 )
 from lightning_train.checkpoint.optimizer_state import optimizer_state_by_name
@@ -136,15 +135,6 @@ def sharded_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer)
 
     options = _options(flatten_optimizer_state_dict=True, cpu_offload=True)
     return get_optimizer_state_dict(module, optimizer, options=options)
-
-
-def _flat_param_groups(path: str | Path, index: int) -> bool:
-    """Whether the folder's optimizer ``index`` was saved flattened (``sharded_optimizer_state``); folders
-    written before keep ``param_groups.<group number>.<setting>``."""
-    prefix = f"optimizer_{index}.param_groups."
-    keys = [key[len(prefix):] for key in _SafeReader(str(path)).read_metadata().state_dict_metadata
-            if key.startswith(prefix)]
-    return bool(keys) and not any(key.split(".", 1)[0].isdigit() for key in keys)
 
 
 def check_compatible(
@@ -306,7 +296,7 @@ def load_sharded_checkpoint(
     _load({"state_dict": model_state}, path)
     set_model_state_dict(module, model_state, options=_options(strict=strict))
     for index, optimizer in enumerate(optimizers):
-        options = _options(flatten_optimizer_state_dict=_flat_param_groups(path, index))
+        options = _options(flatten_optimizer_state_dict=True)  # as sharded_optimizer_state saved it
         optimizer_state = {f"optimizer_{index}": get_optimizer_state_dict(module, optimizer, options=options)}
         _load(optimizer_state, path)
         set_optimizer_state_dict(module, optimizer, optimizer_state[f"optimizer_{index}"], options=options)
@@ -375,8 +365,6 @@ def read_whole_sharded_checkpoint(path: str | Path) -> dict[str, Any]:
     path = _local(path)
     items = _SafeReader(str(path)).read_metadata().state_dict_metadata
     optimizers = range(len({key.split(".", 1)[0] for key in items if key.startswith("optimizer_")}))
-    if not all(_flat_param_groups(path, index) for index in optimizers):
-        raise sharded_folder_error(Path(path))  # written before optimizer states were keyed by name
     whole = {key: torch.empty(item.size, dtype=item.properties.dtype)
              if isinstance(item, TensorStorageMetadata) else None for key, item in items.items()}
     _load(whole, path)

@@ -18,7 +18,7 @@ import sys
 from typing import Any
 
 from lightning_train._lazy import lazy_exports
-from lightning_train._warnings import plain_package_warnings
+from lightning_train._warnings import plain_package_warnings, silence_known_noise
 from lightning_train.cli._failure import (
     claim_report,
     clear_progress_bars,
@@ -62,6 +62,7 @@ def _joined_process_group() -> bool:
 
 def _main(argv: list[str] | None) -> None:
     args = sys.argv[1:] if argv is None else argv
+    silence_known_noise()  # the CLI's console, not the package's import: a library user's filters stay theirs
     try:
         if not args or not (args[0].startswith("-") or args[0] in TOOLS or args[0] in SUBCOMMANDS):
             given = f"unknown subcommand {args[0]!r}" if args else "no subcommand given"

@@ -16,15 +16,9 @@ from typing import Any
 import torch
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import LightningDataModule, LightningModule, Trainer
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint, ProgressBar
+from lightning.pytorch.accelerators import CUDAAccelerator
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
-from lightning.pytorch.loggers import CSVLogger
-from lightning.pytorch.plugins import CheckpointIO, Precision
-from lightning.pytorch.plugins.environments import (
-    ClusterEnvironment,
-    SLURMEnvironment,
-    TorchElasticEnvironment,
-)
 from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
@@ -32,16 +26,9 @@ from lightning_train._compat import cli_config_value, subcommand_parser
 from lightning_train._warnings import silence_resumed_checkpoint_dir
 from lightning_train.callbacks import (
     DataMixtureMonitor,
-    Goodput,
-    PreemptionCheckpoint,
-    RNGStateKeeper,
-    RunSummary,
-    StepAxisKeeper,
-    TokenProgressBar,
 )
 from lightning_train.callbacks.run_summary import log_dir_of
 from lightning_train.checkpoint import (
-    AtomicCheckpointIO,
     checkpoint_mismatch_error,
     find_resume_checkpoint,
     read_checkpoint,
@@ -52,11 +39,11 @@ from lightning_train.cli._failure import first_process_of_node, write_failure
 from lightning_train.cli._parsers import PROG, SUBCOMMANDS, ParserConventions
 from lightning_train.cli.checks import check_seed_everything, check_trainer_arguments
 from lightning_train.cli.elastic import restart_resume, torchrun_layout
+from lightning_train.cli.run_defaults import run_defaults
 from lightning_train.cli.run_folder import (
     SaveConfigWhenRunning,
     check_fit,
     launch_log_dir,
-    local_logs,
     remove_failed_launch,
     run_folder,
 )
@@ -65,8 +52,7 @@ from lightning_train.data.sft import SFTDataModule  # noqa: F401  (--data SFTDat
 from lightning_train.data.text import TextDataModule  # noqa: F401
 from lightning_train.errors import UserInputError
 from lightning_train.modules import FinetuneModule, PretrainModule  # noqa: F401  (--model PretrainModule)
-from lightning_train.plugins.precision import amp_for_precision_flag
-from lightning_train.storage import check_access, is_remote, join
+from lightning_train.storage import check_access, is_remote
 from lightning_train.strategies import DataParallelStrategy  # noqa: F401  (registers lt_ddp/lt_fsdp/lt_auto)
 
 
@@ -150,7 +136,7 @@ class LightningTrainCLI(LightningCLI):
         trainer_config = cli_config_value(self, self.config_init, "trainer", default={})
         check_trainer_arguments(trainer_config)
         async_checkpoint = cli_config_value(self, self.config_init, "async_checkpoint", default=False)
-        defaults = {**_run_defaults(trainer_config, self.subcommand, self.command, async_checkpoint),
+        defaults = {**run_defaults(trainer_config, self.subcommand, self.command, async_checkpoint),
                     **torchrun_layout(trainer_config)}
         try:
             return super().instantiate_trainer(**{**defaults, **kwargs})
@@ -293,6 +279,8 @@ class LightningTrainCLI(LightningCLI):
         try:
             if check_model is not None:  # a layout the model cannot take: one line, before any process starts
                 check_model(model, kwargs.get("datamodule"))
+            if isinstance(self.trainer.accelerator, CUDAAccelerator):
+                torch.set_float32_matmul_precision("high")  # TF32 for the fp32 matmuls autocast leaves
             trainer_fn(model, **kwargs)
             failed = False
         except (RuntimeError, OSError) as error:
@@ -333,75 +321,3 @@ def _user_error(error: BaseException) -> UserInputError:
         if innermost.__cause__ is None:
             return UserInputError(" ".join(str(innermost).split()))
         innermost = innermost.__cause__
-
-
-def _run_defaults(
-    trainer: dict[str, Any], subcommand: str | None, command: list[str], async_checkpoint: bool = False
-) -> dict[str, Any]:
-    """Trainer arguments that complete what the config left out; a config that sets one wins.
-
-    - CSV metrics in ``<root>/version_N/`` (``fit``) or ``<root>/<subcommand>/version_N/`` (``validate``,
-      ``test``, ``predict``); checkpoints (``last.ckpt`` at least) in ``<root>/checkpoints``.
-    - A progress bar with tokens/s and ETA; at the end of ``fit``, a summary (``RunSummary``); where the
-      wall time went, in ``goodput.json`` and ``goodput/*`` (``Goodput``).
-    - ``16-mixed``: real loss scaling on every device (Lightning's would turn into bf16 on CPU) and the
-      LR schedule held on skipped steps (``AmpPrecision``).
-    - Exact resume and preemption: every rank's RNG states in checkpoints, the logging step kept on the
-      optimizer step (``StepAxisKeeper``), checkpoint-and-exit (code 75)
-      on SIGTERM/SIGUSR1 (code 130 on Ctrl-C), atomic sha256-verified checkpoint files (written in the
-      background with ``--async_checkpoint true``); on SLURM,
-      Lightning's own auto-requeue is off so that it does not act on the same signals (under torchrun
-      inside SLURM, torchrun's ranks are the ones that count: Lightning's TorchElasticEnvironment).
-    """
-    root_dir = trainer["default_root_dir"]  # set by before_instantiate_classes
-    callbacks, plugins = _as_list(trainer.get("callbacks")), _as_list(trainer.get("plugins"))
-    defaults: dict[str, Any] = {}
-    if is_remote(root_dir):  # checkpoints on object storage, this launch's logs on local disk
-        root, checkpoint_dir = local_logs(root_dir), join(root_dir, "checkpoints")
-        defaults["default_root_dir"] = str(root)
-    else:
-        root = Path(root_dir)
-        checkpoint_dir = str(root / "checkpoints")
-    if trainer.get("logger") in (None, True):
-        name = "" if subcommand in ("fit", None) else subcommand  # evaluations never join the run's versions
-        defaults["logger"] = CSVLogger(save_dir=str(root), name=name)
-
-    checkpoints = [c for c in callbacks if isinstance(c, ModelCheckpoint)]
-    checkpoints = checkpoints or [ModelCheckpoint(save_last=True)]
-    for checkpoint in checkpoints:
-        checkpoint.dirpath = checkpoint.dirpath or checkpoint_dir
-    extra_callbacks: list[Callback] = [c for c in checkpoints if c not in callbacks]
-    has_bar = any(isinstance(c, ProgressBar) for c in callbacks)
-    if trainer.get("enable_progress_bar") is not False and not has_bar:
-        extra_callbacks.append(TokenProgressBar(refresh_rate=10))  # each refresh reads metrics to host
-    extra_callbacks += [kind() for kind in (RNGStateKeeper, StepAxisKeeper, PreemptionCheckpoint)
-                        if not any(isinstance(c, kind) for c in callbacks)]
-    if subcommand == "fit" and not any(isinstance(c, RunSummary) for c in callbacks):
-        extra_callbacks.append(RunSummary(command=command))
-    if subcommand == "fit" and not any(isinstance(c, Goodput) for c in callbacks):
-        extra_callbacks.append(Goodput())
-    defaults["callbacks"] = callbacks + extra_callbacks
-
-    amp = amp_for_precision_flag(trainer.get("precision"), trainer.get("accelerator"))
-    if amp is not None and not any(isinstance(p, Precision) for p in plugins):
-        defaults["precision"] = None
-        plugins.append(amp)
-    checkpoint_io = next((p for p in plugins if isinstance(p, CheckpointIO)), None)
-    if checkpoint_io is None:
-        plugins.append(AtomicCheckpointIO(async_save=async_checkpoint))
-    elif async_checkpoint and not getattr(checkpoint_io, "async_save", False):
-        raise UserInputError(
-            f"--async_checkpoint true needs AtomicCheckpointIO, but the config's trainer.plugins has "
-            f"{type(checkpoint_io).__name__}; drop --async_checkpoint, or give that plugin async_save: true"
-        )
-    on_slurm = SLURMEnvironment.detect() and not TorchElasticEnvironment.detect()
-    if on_slurm and not any(isinstance(p, ClusterEnvironment) for p in plugins):
-        plugins.append(SLURMEnvironment(auto_requeue=False))
-    defaults["plugins"] = plugins
-    return defaults
-
-
-def _as_list(value: Callback | list[Callback] | None) -> list[Callback]:
-    if value is None:
-        return []
-    return list(value) if isinstance(value, list) else [value]

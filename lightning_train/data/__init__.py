@@ -20,9 +20,9 @@ __all__ = [
 ]
 __getattr__, __dir__ = lazy_exports(globals(), {
     "ByteTokenizer": "lightning_train.data.tokenizers",
-    "GlobalOrderSampler": "lightning_train.data.loading",
+    "GlobalOrderSampler": "lightning_train.data.position",
     "HFTokenizer": "lightning_train.data.tokenizers",
-    "ResumableLoader": "lightning_train.data.loading",
+    "ResumableLoader": "lightning_train.data.position",
     "SFTDataModule": "lightning_train.data.sft",
     "TextDataModule": "lightning_train.data.text",
     "Tokenizer": "lightning_train.data.tokenizers",

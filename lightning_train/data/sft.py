@@ -158,7 +158,8 @@ class SFTDataModule(ResumableDataModule):
         batch_size: examples per batch on each device.
         global_batch_size: samples per optimizer step over all devices; the Trainer's
             ``accumulate_grad_batches`` becomes ``global_batch_size / (batch_size x data-parallel ranks)``
-            at each launch, so a run resumed on fewer or more devices keeps its batch. None: no change.
+            at each launch (set by the ``GlobalBatch`` callback, which the CLI adds), so a run resumed
+            on fewer or more devices keeps its batch. None: no change.
         val_fraction: share of ``train_file`` held out when there is no ``val_file``.
         eval_prompts: held-out prompts whose greedy generations are scored by exact match.
         seed: seeds the example order (epoch ``e`` uses the permutation for ``(seed, e)``) and the split.

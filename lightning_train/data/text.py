@@ -69,7 +69,8 @@ class TextDataModule(ResumableDataModule):
         batch_size: examples per batch on each device.
         global_batch_size: samples per optimizer step over all devices; the Trainer's
             ``accumulate_grad_batches`` becomes ``global_batch_size / (batch_size x data-parallel ranks)``
-            at each launch, so a run resumed on fewer or more devices keeps its batch. None: no change.
+            at each launch (set by the ``GlobalBatch`` callback, which the CLI adds), so a run resumed
+            on fewer or more devices keeps its batch. None: no change.
         seed: seeds the window order; epoch ``e`` uses the permutation for ``(seed, e)``.
         num_workers: data-loading processes per device (0 loads in the training process).
         val_batches: validation batches (of ``batch_size`` windows, spread evenly over the val split and the

@@ -132,7 +132,7 @@ class FinetuneModule(PretrainModule):
         self.val_token_accuracy = MeanMetric()
         self._weights_pending = False
 
-    # ---- building (PretrainModule.configure_model calls this, then applies TF32, float8, compile) ----
+    # ---- building (PretrainModule.configure_model calls this, then applies float8, compile) ----
     def prepare_model(self, model: nn.Module) -> nn.Module:
         """Load ``init_from`` into the built network, add the LoRA adapters, freeze what is asked."""
         if self._pretrained is not None:

@@ -141,7 +141,8 @@ class PretrainModule(L.LightningModule):
     # ---- Lightning hooks ------------------------------------------------------------------------
     def configure_model(self) -> None:
         """Builds the model once, the same way for every module: ``build_model``, ``prepare_model``, then
-        TF32 matmuls on CUDA, float8 Linear layers and ``torch.compile`` as the hyper-parameters ask."""
+        float8 Linear layers and ``torch.compile`` as the hyper-parameters ask. It changes no process-wide
+        setting: TF32 is the CLI's (or the user's own ``torch.set_float32_matmul_precision("high")``)."""
         if self.model is not None:
             return
         if getattr(self.config, "vocab_size", 0) is None:
@@ -150,10 +151,8 @@ class PretrainModule(L.LightningModule):
                 "to the tokenizer's vocabulary size, or fit with a TextDataModule or SFTDataModule"
             )
         model = self.prepare_model(self.build_model())
-        device = self.trainer.strategy.root_device if attached_trainer(self) else torch.device("cpu")
-        if device.type == "cuda":
-            torch.set_float32_matmul_precision("high")  # TF32 for the fp32 matmuls autocast leaves
         if self.hparams.float8:
+            device = self.trainer.strategy.root_device if attached_trainer(self) else torch.device("cpu")
             check_float8_device(device)
             convert_to_float8(model)
         if self.hparams.compile:
