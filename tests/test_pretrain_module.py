@@ -119,9 +119,9 @@ def test_validate_then_fit_in_one_process(tiny_config, tmp_path):
 
 
 def test_readme_snippet_trains_on_the_default_corpus(tmp_path, monkeypatch):
-    """README "In your own Trainer", as written but for max_steps: GPTConfig says no vocab_size, so the
-    model takes the corpus's 258 (bytes, end of text, pad), padded to 320. The default was 256: token 256
-    failed fit."""
+    """README "The callbacks in your own Trainer", its module and data as written: GPTConfig says no
+    vocab_size, so the model takes the corpus's 258 (bytes, end of text, pad), padded to 320. The default
+    was 256: token 256 failed fit."""
     from lightning_train import GPTConfig, TextDataModule
     from tests.conftest import cli_env
 

@@ -126,8 +126,8 @@ def test_tensor_parallel_under_amp_accumulation_and_activation_checkpointing(tmp
 
 
 def test_a_loss_vocab_parallel_cannot_take_is_one_line_naming_loss_parallel_false(tmp_path):
-    """Label smoothing (the README's subclass) on logits sharded by vocabulary: one error line, exit 2,
-    naming the fix; with loss_parallel=false the same module trains on the gathered logits."""
+    """Label smoothing (docs/pretraining.md's subclass) on logits sharded by vocabulary: one error line,
+    exit 2, naming the fix; with loss_parallel=false the same module trains on the gathered logits."""
     config = _config(tmp_path)
     args = [
         "fit", "--config", config, "--trainer.devices=2", *TP, "--trainer.max_steps=2",

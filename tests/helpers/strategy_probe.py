@@ -63,7 +63,7 @@ def _mean_over_ranks(value: torch.Tensor) -> float:
 
 
 class LabelSmoothedPretrain(PretrainModule):
-    """The README's subclassing example: a loss that torch's vocab-parallel cross-entropy cannot take."""
+    """docs/pretraining.md's subclassing example: a loss torch's vocab-parallel cross-entropy cannot take."""
 
     def compute_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100,
