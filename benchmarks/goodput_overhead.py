@@ -38,12 +38,12 @@ from common import (
     write_json,
 )
 
-from lightning_train.callbacks import Goodput
+from lightning_train.callbacks import GoodputMonitor
 
 
 def train(setup: dict[str, Any], batches: list, warmup: int, measured: bool) -> dict[str, float]:
     timer, hook_seconds = StepTimer(warmup), [0.0, 0.0]
-    callbacks = [Goodput(start="created")] if measured else []
+    callbacks = [GoodputMonitor(start="created")] if measured else []
     time_hooks(callbacks, warmup, hook_seconds)
     fit_tiny(setup, batches, [*callbacks, timer])
     if measured:
@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "benchmark": "goodput_overhead",
         "goal": "with / without Goodput, seconds per step <= 1.005",
         "smoke": args.smoke,
-        "setup": setup_record(setup, steps, warmup, callbacks=["Goodput(start='created')"]),
+        "setup": setup_record(setup, steps, warmup, callbacks=["GoodputMonitor(start='created')"]),
         "machine": {**machine_info(args.threads),
                     "load_average_after": machine_info()["load_average_1_5_15"]},
         "results": results,

@@ -18,7 +18,7 @@ import torch
 
 import lightning_train.callbacks
 from lightning_train.callbacks import (
-    Goodput,
+    GoodputMonitor,
     GradNormMonitor,
     HangWatchdog,
     LossScaleMonitor,
@@ -38,7 +38,7 @@ def all_callbacks() -> list[L.Callback]:
     """The telemetry callbacks, doing their normal work (LossScaleMonitor is idle in fp32)."""
     return [
         GradNormMonitor(), ThroughputMonitor(peak_flops=1e12), TimeToQuality(target=0.0), LossScaleMonitor(),
-        HangWatchdog(timeout=60, grace_steps=1), StragglerMonitor(), Goodput(start="created"),
+        HangWatchdog(timeout=60, grace_steps=1), StragglerMonitor(), GoodputMonitor(start="created"),
     ]
 
 

@@ -18,7 +18,7 @@ import lightning as L
 import pytest
 
 from lightning_train import GPTConfig, PretrainModule, TextDataModule
-from lightning_train.callbacks import Goodput, NaNRecovery, PreemptionCheckpoint
+from lightning_train.callbacks import GoodputMonitor, NaNRecovery, PreemptionCheckpoint
 from lightning_train.checkpoint import AtomicCheckpointIO, read_checkpoint
 from lightning_train.cli.run_defaults import run_defaults
 from lightning_train.loggers.goodput import (
@@ -83,7 +83,7 @@ class NaNAtSteps(PretrainModule):
 
 def test_skipped_and_rolled_back_steps_are_recovery(tmp_path: Path) -> None:
     # steps 3 and 4 are NaN (skipped); two in a row roll back to the snapshot of step 2, undoing step 2
-    goodput = Goodput(start="created")
+    goodput = GoodputMonitor(start="created")
     trainer = L.Trainer(
         max_steps=7, accelerator="cpu", limit_val_batches=0, logger=L.pytorch.loggers.CSVLogger(tmp_path),
         enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False,
@@ -100,10 +100,10 @@ def test_skipped_and_rolled_back_steps_are_recovery(tmp_path: Path) -> None:
 def test_the_cli_adds_goodput_to_fit_unless_the_config_has_one(tmp_path: Path) -> None:
     def goodputs(callbacks: list, subcommand: str = "fit") -> list:
         config = {"default_root_dir": str(tmp_path), "callbacks": callbacks}
-        return [c for c in run_defaults(config, subcommand, [])["callbacks"] if isinstance(c, Goodput)]
+        return [c for c in run_defaults(config, subcommand, [])["callbacks"] if isinstance(c, GoodputMonitor)]
 
     assert len(goodputs([])) == 1 and goodputs([])[0].start == "process"
-    own = Goodput(start="created")
+    own = GoodputMonitor(start="created")
     assert goodputs([own]) == [own]
     assert goodputs([], "validate") == []
 
@@ -180,14 +180,14 @@ def test_a_preempted_launch_resumes_without_lost_work(tmp_path: Path) -> None:
             max_steps=5, accelerator="cpu", limit_val_batches=0, enable_progress_bar=False,
             enable_model_summary=False, default_root_dir=tmp_path, plugins=[AtomicCheckpointIO()],
             logger=L.pytorch.loggers.CSVLogger(tmp_path, name=""),
-            callbacks=[*callbacks, PreemptionCheckpoint(), Goodput(start="created")],
+            callbacks=[*callbacks, PreemptionCheckpoint(), GoodputMonitor(start="created")],
         )
 
     module = PretrainModule(GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=16))
     with pytest.raises(SystemExit):
         trainer(SigtermDuringStep3()).fit(module, TextDataModule(seq_len=16, batch_size=4))
     checkpoint = tmp_path / "checkpoints" / "preempted.ckpt"
-    saved = read_checkpoint(checkpoint)["callbacks"]["Goodput"]["current"]
+    saved = read_checkpoint(checkpoint)["callbacks"]["GoodputMonitor"]["current"]
     assert saved["steps"]["productive"] == 3 and saved["last_step"] == 3
 
     module = PretrainModule(GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=16))

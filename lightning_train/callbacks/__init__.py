@@ -2,7 +2,7 @@
 
 from lightning_train.callbacks.data_mixture import DataMixtureMonitor
 from lightning_train.callbacks.global_batch import GlobalBatch
-from lightning_train.callbacks.goodput import Goodput
+from lightning_train.callbacks.goodput import GoodputMonitor
 from lightning_train.callbacks.grad_norm import GradNormMonitor
 from lightning_train.callbacks.hang_watchdog import HangWatchdog
 from lightning_train.callbacks.loss_scale import LossScaleMonitor
@@ -21,7 +21,7 @@ from lightning_train.errors import TrainingAborted  # its home is errors.py; doc
 __all__ = [
     "DataMixtureMonitor",
     "GlobalBatch",
-    "Goodput",
+    "GoodputMonitor",
     "GradNormMonitor",
     "HangWatchdog",
     "LossScaleMonitor",

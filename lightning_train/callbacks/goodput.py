@@ -2,7 +2,7 @@
 
 A long run loses time in ways no step-time metric shows: start-up (imports, process groups, loading a
 checkpoint, compiling), checkpoint writes that block training, validation, steps skipped or rolled
-back by NaNRecovery, and restarts that recompute the steps since the last checkpoint. ``Goodput``
+back by NaNRecovery, and restarts that recompute the steps since the last checkpoint. ``GoodputMonitor``
 puts every second of each launch into one part, from the process's start to the launch's last record:
 
 ========== ==================================================================================
@@ -60,7 +60,7 @@ _ORDINARY_GAPS = 32  # recent gaps between batches without a save or validation,
 _JSON_EVERY_S = 60.0  # goodput.json on logging steps at most this often (a rewrite costs ~0.5 ms)
 
 
-class Goodput(Callback):
+class GoodputMonitor(Callback):
     """Measures where each launch's wall time goes; writes ``goodput.json``, logs ``goodput/*``.
 
     Args:
@@ -80,11 +80,12 @@ class Goodput(Callback):
         >>> import tempfile
         >>> import lightning as L
         >>> from lightning_train import GPTConfig, PretrainModule, TextDataModule
-        >>> from lightning_train.callbacks import Goodput
+        >>> from lightning_train.callbacks import GoodputMonitor
         >>> trainer = L.Trainer(
         ...     max_steps=6, accelerator="cpu", log_every_n_steps=2, val_check_interval=3,
         ...     limit_val_batches=2, logger=L.pytorch.loggers.CSVLogger(tempfile.mkdtemp()),
-        ...     enable_progress_bar=False, enable_model_summary=False, callbacks=[Goodput(start="created")],
+        ...     enable_progress_bar=False, enable_model_summary=False,
+        ...     callbacks=[GoodputMonitor(start="created")],
         ... )
         >>> module = PretrainModule(GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=16))
         >>> trainer.fit(module, TextDataModule(seq_len=16, batch_size=4))
@@ -99,7 +100,7 @@ class Goodput(Callback):
 
     def __init__(self, start: str = "process") -> None:
         if start not in ("process", "created"):
-            raise UserInputError(f"Goodput start={start!r}: use 'process' or 'created'")
+            raise UserInputError(f"GoodputMonitor start={start!r}: use 'process' or 'created'")
         self.start = start
         self._created = (time.perf_counter(), time.time())
         self.run_id = secrets.randbits(63)

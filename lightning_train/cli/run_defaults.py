@@ -17,7 +17,7 @@ from lightning.pytorch.plugins.environments import (
 
 from lightning_train.callbacks import (
     GlobalBatch,
-    Goodput,
+    GoodputMonitor,
     PreemptionCheckpoint,
     RNGStateKeeper,
     RunSummary,
@@ -39,7 +39,7 @@ def run_defaults(
     - CSV metrics in ``<root>/version_N/`` (``fit``) or ``<root>/<subcommand>/version_N/`` (``validate``,
       ``test``, ``predict``); checkpoints (``last.ckpt`` at least) in ``<root>/checkpoints``.
     - A progress bar with tokens/s and ETA; at the end of ``fit``, a summary (``RunSummary``); where the
-      wall time went, in ``goodput.json`` and ``goodput/*`` (``Goodput``).
+      wall time went, in ``goodput.json`` and ``goodput/*`` (``GoodputMonitor``).
     - ``16-mixed``: real loss scaling on every device (Lightning's would turn into bf16 on CPU) and the
       LR schedule held on skipped steps (``AmpPrecision``).
     - Exact resume and preemption: every rank's RNG states in checkpoints, the logging step kept on the
@@ -75,8 +75,8 @@ def run_defaults(
                         if not any(isinstance(c, kind) for c in callbacks)]
     if subcommand == "fit" and not any(isinstance(c, RunSummary) for c in callbacks):
         extra_callbacks.append(RunSummary(command=command))
-    if subcommand == "fit" and not any(isinstance(c, Goodput) for c in callbacks):
-        extra_callbacks.append(Goodput())
+    if subcommand == "fit" and not any(isinstance(c, GoodputMonitor) for c in callbacks):
+        extra_callbacks.append(GoodputMonitor())
     defaults["callbacks"] = callbacks + extra_callbacks
 
     amp = amp_for_precision_flag(trainer.get("precision"), trainer.get("accelerator"))

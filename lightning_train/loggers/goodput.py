@@ -1,6 +1,6 @@
 """The goodput files: where each launch's wall time went, and the sum over the launches of one run.
 
-``lightning_train.callbacks.Goodput`` writes two files into a launch's log folder (``version_N/``):
+``lightning_train.callbacks.GoodputMonitor`` writes two files into a launch's log folder (``version_N/``):
 
 * ``goodput.json``: the run so far, i.e. every launch of the run summed, and each launch on its own;
   written when training starts, on logging steps at most once a minute, and at the end. People and

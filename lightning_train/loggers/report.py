@@ -305,8 +305,8 @@ def _plot_throughput(fig: Figure, s: Series, resumed_at: list[int], alerts: list
 
 def _plot_goodput(fig: Figure, record: dict[str, Any] | None) -> Drawn | str:
     if record is None:
-        return ("Goodput: no goodput.json in the run's newest launch (add lightning_train.callbacks.Goodput; "
-                "the CLI adds it to every fit).")
+        return ("Goodput: no goodput.json in the run's newest launch (add "
+                "lightning_train.callbacks.GoodputMonitor; the CLI adds it to every fit).")
     rows = [*record["launches"], {**record, "name": "run (sum)", "state": ""}]
     scale, unit = _time_unit(record["wall_sec"])
     ax = fig.add_subplot()
