@@ -31,6 +31,7 @@ from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 from lightning_train import _compat
+from lightning_train._compat import other_api
 from lightning_train.plugins import AmpPrecision
 from lightning_train.strategies import DataParallelStrategy
 from tests.conftest import cli_env
@@ -65,17 +66,6 @@ def test_found_inf_per_device():
     overflow = _scaled_step(scaler, float("inf"))
     scaler.unscale_(overflow)
     assert sum(_compat.found_inf_per_device(scaler, overflow)).item() == 1
-
-
-def test_scaler_unscaled():
-    scaler = torch.amp.GradScaler("cpu")
-    optimizer = _scaled_step(scaler, 1.0)
-    assert not _compat.scaler_unscaled(scaler, optimizer)
-    scaler.unscale_(optimizer)
-    assert _compat.scaler_unscaled(scaler, optimizer)
-    scaler.step(optimizer)
-    scaler.update()
-    assert not _compat.scaler_unscaled(scaler, optimizer)  # a new step starts scaled
 
 
 def test_handles_amp_scaling():
@@ -532,12 +522,12 @@ TORCHMETRICS_FLAGS = (
 def test_torchmetrics_without_heavy_extras(full: bool) -> None:
     """In a fresh interpreter (torchmetrics not yet imported): torchmetrics sees transformers and matplotlib
     as absent and does not import them; with LIGHTNING_TRAIN_FULL_TORCHMETRICS=1 both are as installed."""
-    script = TORCHMETRICS_FLAGS.format(flags=_compat._HEAVY_OPTIONAL_FLAGS)
+    script = TORCHMETRICS_FLAGS.format(flags=other_api._HEAVY_OPTIONAL_FLAGS)
     env = cli_env(**({_compat.FULL_TORCHMETRICS_ENV: "1"} if full else {}))
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
-    flags = len(_compat._HEAVY_OPTIONAL_FLAGS)
+    flags = len(other_api._HEAVY_OPTIONAL_FLAGS)
     assert done.stdout.strip() == f"{[full] * flags} {full} {full}"
 
 

@@ -1,0 +1,89 @@
+"""Private names of torchmetrics, tqdm and argparse (see the package docstring)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tqdm import tqdm
+
+# torch and Lightning are imported inside the functions that use them, never here: the CLI's help and
+# its tools (prepare, report, ...) import this module and must not pay those imports (Lightning's alone
+# takes seconds; tests/test_startup.py).
+
+# ---- torchmetrics ----------------------------------------------------------------------------------------
+# Its flags for the optional packages whose metrics import them with torchmetrics itself (BERTScore, InfoLM,
+# CLIPScore, CLIP-IQA: transformers; Metric.plot: matplotlib); ``RequirementCache``s of
+# ``torchmetrics.utilities.imports`` (torchmetrics 1.4-1.9), which skip their check once ``available`` is set.
+_HEAVY_OPTIONAL_FLAGS = ("_TRANSFORMERS_AVAILABLE", "_TRANSFORMERS_GREATER_EQUAL_4_4",
+                         "_TRANSFORMERS_GREATER_EQUAL_4_10", "_MATPLOTLIB_AVAILABLE")
+FULL_TORCHMETRICS_ENV = "LIGHTNING_TRAIN_FULL_TORCHMETRICS"
+
+
+def torchmetrics_without_heavy_extras() -> None:
+    """Make the coming first import of torchmetrics (Lightning's import does it) see transformers and
+    matplotlib as absent: importing them takes about 1.7 of the 5.5 CPU seconds of ``import lightning``,
+    in every process of every run, for metrics training does not use. A no-op when torchmetrics is already
+    imported or ``LIGHTNING_TRAIN_FULL_TORCHMETRICS=1`` asks for those metrics. No public switch exists."""
+    if "torchmetrics" in sys.modules or os.environ.get(FULL_TORCHMETRICS_ENV) == "1":
+        return
+    import importlib.abc
+    import importlib.machinery
+
+    class FlagsOff(importlib.abc.MetaPathFinder):
+        def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
+            if name != "torchmetrics.utilities.imports":
+                return None
+            sys.meta_path.remove(self)
+            spec = importlib.machinery.PathFinder.find_spec(name, path)
+            run_module = spec.loader.exec_module
+
+            def exec_module(module: Any) -> None:
+                run_module(module)
+                for flag in _HEAVY_OPTIONAL_FLAGS:
+                    getattr(module, flag).available = False
+
+            spec.loader.exec_module = exec_module
+            return spec
+
+    sys.meta_path.insert(0, FlagsOff())
+
+
+_OBJECT_STORAGE_PACKAGES = frozenset({"s3fs", "gcsfs", "adlfs"})
+
+
+def object_storage_check_without_imports() -> None:
+    """Lightning asks of every path it writes whether its filesystem is object storage, importing s3fs,
+    gcsfs and adlfs to check (``lightning.fabric.utilities.cloud_io._is_object_storage``, Lightning
+    2.5-2.6): ~0.3 CPU s in every process where the ``s3`` extra is installed, for local paths too. An
+    instance of one of their filesystems exists only once its package is imported, so with none imported
+    the answer is no, without importing them. Once per process (a second call finds it in place)."""
+    import lightning.fabric.utilities.cloud_io as cloud_io
+
+    check = cloud_io._is_object_storage
+    if check.__module__ == __name__:
+        return
+
+    def is_object_storage(fs: Any) -> bool:
+        return bool(_OBJECT_STORAGE_PACKAGES & sys.modules.keys()) and check(fs)
+
+    cloud_io._is_object_storage = is_object_storage
+
+
+# ---- tqdm and argparse ------------------------------------------------------------------------------------
+def open_tqdm_bars() -> list[tqdm]:
+    """Every tqdm bar not yet closed (``tqdm._instances``, tqdm 4.66-4.70; no public one)."""
+    from tqdm import tqdm
+
+    return list(getattr(tqdm, "_instances", ()))
+
+
+def subcommand_actions(action: argparse.Action) -> list[argparse.Action] | None:
+    """The per-subcommand actions of a subparsers action, None for any other action (``argparse.
+    _SubParsersAction._get_subactions``, Python 3.10-3.13; no public one)."""
+    if isinstance(action, argparse._SubParsersAction):
+        return action._get_subactions()
+    return None

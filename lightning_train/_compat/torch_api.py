@@ -1,0 +1,134 @@
+"""Private names of torch and torch.distributed (see the package docstring)."""
+
+from __future__ import annotations
+
+import atexit
+import os
+import sys
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, NoReturn
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+# torch and Lightning are imported inside the functions that use them, never here: the CLI's help and
+# its tools (prepare, report, ...) import this module and must not pay those imports (Lightning's alone
+# takes seconds; tests/test_startup.py).
+
+# What a pickled ``torch.layout`` calls to rebuild itself (torch registers ``torch.serialization._get_layout``
+# with copyreg; torch 2.5-2.13), for the restricted unpickler of sharded checkpoints.
+TORCH_LAYOUT_GLOBAL = ("torch.serialization", "_get_layout")
+
+
+# ---- torch: GradScaler and optimizers ---------------------------------------------------------------------
+def loss_scale_async(scaler: torch.amp.GradScaler) -> torch.Tensor | None:
+    """The scale as a device tensor without a host sync (``GradScaler._get_scale_async``, torch 2.5-2.13;
+    the public ``get_scale()`` returns a float, a sync); None before the first ``scale()``."""
+    return scaler._get_scale_async()
+
+
+def found_inf_per_device(
+    scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer
+) -> list[torch.Tensor]:
+    """The 0/1 found-inf tensors ``unscale_`` left for ``optimizer``, one per device, [] before it
+    (``GradScaler._per_optimizer_states[id(opt)]["found_inf_per_device"]``, torch 2.5-2.13; no public one)."""
+    state = getattr(scaler, "_per_optimizer_states", {}).get(id(optimizer))
+    return list(state["found_inf_per_device"].values()) if state else []
+
+
+def handles_amp_scaling(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether the optimizer's ``step`` unscales by itself, as fused AdamW does (``Optimizer.
+    _step_supports_amp_scaling``, torch 2.5-2.13; no public one)."""
+    return getattr(optimizer, "_step_supports_amp_scaling", False)
+
+
+def foreach_norm(tensors: Sequence[torch.Tensor], ord: float) -> tuple[torch.Tensor, ...]:
+    """The ``ord``-norm of each tensor in one fused kernel (``torch._foreach_norm``, torch 2.5-2.13;
+    public alternative, one kernel per tensor: ``torch.linalg.vector_norm``)."""
+    import torch
+
+    return torch._foreach_norm(tensors, ord)
+
+
+def foreach_copy(tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """New copies of ``tensors`` in one fused kernel (``torch._foreach_mul(tensors, 1.0)``, torch 2.5-2.13;
+    public alternative, one kernel per tensor: ``tensor.clone()``)."""
+    import torch
+
+    return torch._foreach_mul(tensors, 1.0)
+
+
+def foreach_sub_(tensors: Sequence[torch.Tensor], others: Sequence[torch.Tensor]) -> None:
+    """``tensors[i] -= others[i]`` in place, fused (``torch._foreach_sub_``, torch 2.5-2.13; public
+    alternative, one kernel per tensor: ``tensor.sub_(other)``)."""
+    import torch
+
+    torch._foreach_sub_(tensors, others)
+
+
+def is_compiled(module: nn.Module) -> bool:
+    """Whether ``module.compile()`` was called (``nn.Module._compiled_call_impl``, torch 2.2-2.13; no
+    public accessor)."""
+    return getattr(module, "_compiled_call_impl", None) is not None
+
+
+# ---- torch.distributed -------------------------------------------------------------------------------------
+def checkpoint_activations(module: nn.Module) -> None:
+    """Recompute ``module``'s activations in backward, keeping its parameter names (torch's composable
+    ``torch.distributed._composable.checkpoint``, torch 2.5-2.13; ``torch.utils.checkpoint`` needs a
+    wrapper module, which renames the parameters)."""
+    from torch.distributed._composable import checkpoint
+
+    checkpoint(module)
+
+
+def ddp_comm_hook_name(model: nn.parallel.DistributedDataParallel) -> str | None:
+    """The communication hook's name as torch records it (``DistributedDataParallel.
+    _get_ddp_logging_data()["comm_hook"]``, torch 2.5-2.13; no public one)."""
+    return model._get_ddp_logging_data().get("comm_hook")
+
+
+def end_distributed_process(code: int) -> NoReturn:
+    """Leave a process that ran a process group: destroy the group, run Python's exit handlers (W&B,
+    multiprocessing, atexit), flush, then ``os._exit(code)``, skipping interpreter finalisation. At
+    finalisation Gloo's C++ threads (kept alive by FSDP2's references to the group) can still be torn
+    down and abort a finished process with SIGABRT ("terminate called without an active exception";
+    pytorch/pytorch#179291, #190489), which a scheduler or torchrun reads as a failed rank. Uses
+    ``atexit._run_exitfuncs`` (CPython 3.10-3.13); the public alternative is a plain ``sys.exit``."""
+    import torch
+
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def process_group_store() -> Any | None:
+    """The key-value store every rank of the default process group reaches (``_get_default_store``,
+    torch 2.x), or None outside a process group: torch has no public accessor for it."""
+    import torch
+
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return None
+    return torch.distributed.distributed_c10d._get_default_store()
+
+
+def forward_only_v_schedule(stages: Sequence[Any], microbatches: int) -> Any:
+    """A schedule whose ``eval`` runs ``stages`` placed in a V (rank r: stages r and 2 x pp - 1 - r):
+    ``ScheduleZBVZeroBubble`` with its input-gradient action skipped. torch's own V-shaped ``eval`` fails
+    on the rank holding two adjacent stages: that action hands a gradient between them without backward.
+    The skip drops the action's (empty) backward receive, ``bwd_recv_ops`` of ``_PipelineScheduleRuntime``
+    (torch 2.6-2.13), as the action would have."""
+    from torch.distributed.pipelining.schedules import BACKWARD_INPUT, ScheduleZBVZeroBubble
+
+    def skip_input_gradient(action: Any, context: Any) -> None:
+        context.schedule_ref.bwd_recv_ops.pop((action.stage_index, action.microbatch_index), None)
+
+    schedule = ScheduleZBVZeroBubble(list(stages), microbatches, loss_fn=None, scale_grads=False)
+    schedule.register_custom_function(BACKWARD_INPUT, skip_input_gradient)
+    return schedule
+
+
