@@ -15,7 +15,8 @@ import yaml
 from matplotlib.figure import Figure
 
 from lightning_train.errors import UserInputError
-from lightning_train.loggers.report import _plot_grad_norm, load_run, report
+from lightning_train.loggers.report import load_run, report
+from lightning_train.loggers.report_plots import _plot_grad_norm
 from tests.conftest import REPO, run_cli, run_cli_in_process
 from tests.helpers.browser import NO_BROWSER, find_browser, render
 
