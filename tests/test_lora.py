@@ -168,14 +168,11 @@ def test_peft_loads_the_exported_adapter_on_the_exported_base_with_our_logits(tm
     assert rewritten["base_model_name_or_path"] is None
 
 
-def test_a_fine_tune_from_before_per_projection_adapters_loads_as_it_was_trained(tmp_path):
-    """Older versions put one adapter on the fused qkv by default and recorded ``target_modules: None``:
-    as a source (init_from, export, generate) the checkpoint loads exactly; resuming it into the new
-    default layout is refused with the setting that resumes it."""
+def test_a_fine_tune_with_one_adapter_on_the_fused_qkv_loads_as_it_was_trained(tmp_path):
+    """A fine-tune with one adapter on the fused qkv: as a source (init_from, export, generate) the
+    checkpoint loads exactly; resuming it into the default per-projection layout is refused with the
+    setting that resumes it."""
     base, checkpoint, module = fine_tune(tmp_path, LLAMA, LoRAConfig(rank=2, target_modules=FUSED_DEFAULT))
-    saved = torch.load(checkpoint, weights_only=True)
-    saved["hyper_parameters"]["lora"]["target_modules"] = None  # what those versions recorded
-    torch.save(saved, checkpoint)
 
     source = open_pretrained(checkpoint)
     assert source.lora.target_modules == FUSED_DEFAULT

@@ -381,7 +381,7 @@ class NaNRecovery(Callback):
         self.skipped_steps, self.spikes = state_dict["skipped_steps"], state_dict["spikes"]
         self.rollbacks, self._consecutive = state_dict["rollbacks"], state_dict["consecutive"]
         if self._step_rerun is not None:
-            self._step_rerun.runs = state_dict.get("reruns", 0)  # older checkpoints: none
+            self._step_rerun.runs = state_dict["reruns"]
         self.skipped_data = [list(r) for r in state_dict["skipped_data"]]
         self._lr_scaled = tuple(state_dict["lr_scaled"])
         for name in _HISTORIES:

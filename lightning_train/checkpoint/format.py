@@ -46,7 +46,6 @@ from lightning_train.checkpoint.manifest import (  # noqa: F401  (the protocol's
 )
 from lightning_train.errors import CorruptCheckpointError, UserInputError
 from lightning_train.models.gpt import GPTConfig
-from lightning_train.models.lora import LoRAConfig
 from lightning_train.storage import is_file, is_remote, join
 
 _CHUNK = 1 << 22
@@ -241,7 +240,7 @@ def safe_globals() -> list[type]:
     """The only non-tensor types that loading a checkpoint accepts: plain-value containers of
     hyper-parameters (our config dataclasses, paths; Lightning saves its ``hparams`` as a plain dict).
     Rebuilding them runs no code of the file's choosing."""
-    return [GPTConfig, LoRAConfig, pathlib.Path, pathlib.PosixPath, pathlib.WindowsPath]
+    return [GPTConfig, pathlib.Path, pathlib.PosixPath, pathlib.WindowsPath]
 
 
 def load_torch_file(

@@ -37,7 +37,7 @@ from lightning_train.data.tokenizers import ByteTokenizer
 from lightning_train.errors import CorruptCheckpointError, UserInputError
 from lightning_train.models.gpt import GPT, GPTConfig
 from lightning_train.models.hf import config_from_hf, state_dict_from_hf
-from lightning_train.models.lora import LoRAConfig, apply_lora, merge_lora, saved_lora_config
+from lightning_train.models.lora import LoRAConfig, apply_lora, merge_lora
 from lightning_train.models.weights import load_into
 
 PICKLE_SUFFIXES = (".ckpt", ".pt", ".pth", ".bin")
@@ -126,11 +126,10 @@ def open_pretrained(
         path = path / MODEL_FILE
     if path.is_dir() and is_sharded_checkpoint(path):
         # torch.distributed.checkpoint takes a second to import: only for folders (export, generate).
-        from lightning_train.checkpoint.sharded import checkpoint_tensor_shapes, read_metadata
+        from lightning_train.checkpoint.sharded import read_metadata
 
         _refuse_pickle(path, allow_pickle)
-        metadata, keys = read_metadata(path), lambda: list(checkpoint_tensor_shapes(path))
-        return _from_lightning_checkpoint(path, metadata, config, keys, _sharded_reader(path))
+        return _from_lightning_checkpoint(path, read_metadata(path), config, _sharded_reader(path))
     if path.is_dir():
         return _from_hf_folder(path, tokenizer, allow_pickle)
     if path.suffix == ".safetensors":
@@ -148,7 +147,7 @@ def open_pretrained(
         if config is None:
             raise UserInputError(f"{str(source)!r} is a bare state dict; give its model.config to load it")
         return Pretrained(str(path), config, tokenizer or _byte_if_fits(config), lambda: checkpoint)
-    return _from_lightning_checkpoint(path, checkpoint, config, lambda: list(checkpoint["state_dict"]))
+    return _from_lightning_checkpoint(path, checkpoint, config)
 
 
 def read_safetensors(path: Path) -> StateDict:
@@ -187,7 +186,6 @@ def _from_lightning_checkpoint(
     path: Path,
     checkpoint: dict[str, Any],
     config: GPTConfig | None,
-    saved_keys: Callable[[], list[str]],
     read_shards: Callable[[nn.Module], StateDict] | None = None,
 ) -> Pretrained:
     source = str(path)
@@ -199,7 +197,7 @@ def _from_lightning_checkpoint(
     tokenizer = hparams.get("tokenizer") or _tokenizer_of_data(checkpoint) or _byte_if_fits(config)
     lora = hparams.get("lora") or None
     if lora is not None:  # FinetuneModule saves its LoRAConfig as a dict
-        lora = saved_lora_config(LoRAConfig(**lora), saved_keys())
+        lora = LoRAConfig(**lora)
 
     def network_weights() -> StateDict:
         if read_shards is not None:

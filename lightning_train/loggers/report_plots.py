@@ -209,7 +209,7 @@ def plot_goodput(fig: Figure, record: dict[str, Any] | None) -> Drawn | str:
     fraction, lost = record["productive_fraction"], record["steps"]["lost"]
     note = (f"{fraction:.1%} of {record['wall_sec']:,.1f} s in productive steps over "
             f"{len(record['launches'])} launch(es); {lost} steps recomputed after restarts")
-    if record.get("between_launches_sec"):  # absent from the goodput.json of older releases
+    if record["between_launches_sec"]:  # 0 for a run of one launch
         note += f"; {record['between_launches_sec']:,.1f} s between launches"
     return Drawn({part: len(rows) for part in GOODPUT_COLORS}, note=note)
 

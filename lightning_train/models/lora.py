@@ -13,7 +13,6 @@ the fused layer with one joint adapter, as peft adapts GPT-2's fused ``c_attn``.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -145,16 +144,6 @@ def _targets(model: nn.Module, config: LoRAConfig) -> list[str]:
             "change the embedding too. Leave 'lm_head' out or use a model with tie_embeddings: false"
         )
     return list(targets)
-
-
-def saved_lora_config(config: LoRAConfig, keys: Iterable[str]) -> LoRAConfig:
-    """The config that rebuilds the adapters of a checkpoint with state-dict ``keys``. Fine-tunes from
-    before per-projection adapters recorded ``target_modules: None`` and hold one adapter on the fused
-    ``qkv``: their targets are read from the keys, so they load exactly as they were trained."""
-    adapted = adapted_layers(keys)
-    if config.target_modules is None and FUSED in adapted:
-        return dataclasses.replace(config, target_modules=adapted)
-    return config
 
 
 def adapted_layers(keys: Iterable[str]) -> list[str]:
