@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from datetime import timedelta
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import lightning.pytorch as pl
 import torch
@@ -62,7 +62,7 @@ from lightning_train.strategies.processes import ProcessGroup
 from lightning_train.strategies.steps import ModelParallelStep
 
 Sharding = Literal["ddp", "fsdp", "auto"]
-SHARDINGS = ("ddp", "fsdp", "auto")
+SHARDINGS: tuple[str, ...] = get_args(Sharding)  # one list: the type and the check agree
 _LOW_PRECISION = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
 
 

@@ -15,7 +15,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
@@ -38,7 +38,7 @@ from lightning_train.strategies.pipeline import (
 from lightning_train.strategies.tensor_parallel import apply_tensor_parallel, check_tensor_parallel
 
 CommHook = Literal["fp16_compress", "bf16_compress", "powersgd"]
-COMM_HOOKS = ("fp16_compress", "bf16_compress", "powersgd")
+COMM_HOOKS: tuple[str, ...] = get_args(CommHook)
 # tensor parallelism, the most communication-hungry, innermost (neighbouring ranks, inside a node);
 # pipeline stages, which exchange one activation per microbatch, outermost (across nodes)
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
