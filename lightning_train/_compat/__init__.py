@@ -4,7 +4,7 @@ This package: ``torch_api.py`` (torch and torch.distributed), ``lightning_api.py
 ``other_api.py`` (torchmetrics, tqdm, argparse); callers import the names from here.
 
 Private names change without notice, so each one is reached only through a small function here, with a
-test of its own in ``tests/test_compat.py``: a dependency upgrade that breaks one fails a named test
+test of its own in ``tests/test_compat_*.py``: a dependency upgrade that breaks one fails a named test
 instead of a training run. Each docstring names the private API, the versions it was checked on, and the
 public alternative where one exists. Checked on torch 2.13, Lightning 2.6, tqdm 4.70 and Python 3.11
 unless a docstring says otherwise.
@@ -20,7 +20,7 @@ Overrides of private methods that stay in their classes (a subclass can only ove
   through jsonargparse's ``DefaultHelpFormatter``), in ``cli/_parsers.py``: argparse's only way to
   format help text.
 
-``tests/test_compat.py`` checks that each of these methods is still defined and called by its base.
+``tests/test_compat_*.py`` checks that each of these methods is still defined and called by its base.
 """
 
 from __future__ import annotations

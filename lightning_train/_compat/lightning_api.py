@@ -23,7 +23,7 @@ PathLike: TypeAlias = str | Path
 
 # The file a Lightning sharded checkpoint folder keeps its non-tensor state in: Lightning's private
 # ``lightning.fabric.utilities.load._METADATA_FILENAME``, which its loaders look for (Lightning 2.5-2.6;
-# written out so that reading a folder does not import Lightning; tests/test_compat.py compares them).
+# written out so that reading a folder does not import Lightning; tests/test_compat_*.py compares them).
 METADATA_FILENAME: str = "meta.pt"
 
 

@@ -1,16 +1,11 @@
-"""One test per function of ``lightning_train._compat``, against the installed torch and Lightning: an
-upgrade that renames or changes one of their private names fails the test named after it."""
+"""Tests of ``lightning_train._compat.lightning_api``, one a function, against the installed Lightning:
+an upgrade that renames or changes one of its private names fails the test named after it."""
 
 from __future__ import annotations
 
-import argparse
 import copy
 import copyreg
-import inspect
-import io
 import socket
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -22,125 +17,18 @@ from lightning.pytorch.callbacks import TQDMProgressBar
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.demos.boring_classes import BoringModel, RandomDataset
 from lightning.pytorch.loggers import WandbLogger
-from lightning.pytorch.strategies import Strategy
-from lightning.pytorch.trainer.connectors import accelerator_connector
 from torch import nn
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.device_mesh import init_device_mesh
 from torch.utils.data import DataLoader
-from tqdm import tqdm
 
 from lightning_train import _compat
-from lightning_train._compat import other_api
 from lightning_train.plugins import AmpPrecision
 from lightning_train.strategies import DataParallelStrategy
-from tests.conftest import cli_env
 
 QUIET = dict(
     accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, enable_model_summary=False
 )
 
-
-# ---- torch: GradScaler and optimizers ---------------------------------------------------------------------
-def _scaled_step(scaler: torch.amp.GradScaler, grad: float) -> torch.optim.Optimizer:
-    weight = nn.Parameter(torch.ones(2))
-    optimizer = torch.optim.SGD([weight], lr=0.1)
-    scaler.scale((weight * grad).sum()).backward()
-    return optimizer
-
-
-def test_loss_scale_async():
-    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
-    assert _compat.loss_scale_async(scaler) is None  # no scale() yet
-    scaler.scale(torch.ones(()))
-    scale = _compat.loss_scale_async(scaler)
-    assert isinstance(scale, torch.Tensor) and scale.item() == 1024.0
-
-
-def test_found_inf_per_device():
-    scaler = torch.amp.GradScaler("cpu")
-    finite = _scaled_step(scaler, 1.0)
-    assert _compat.found_inf_per_device(scaler, finite) == []  # before unscale_
-    scaler.unscale_(finite)
-    assert sum(_compat.found_inf_per_device(scaler, finite)).item() == 0
-    overflow = _scaled_step(scaler, float("inf"))
-    scaler.unscale_(overflow)
-    assert sum(_compat.found_inf_per_device(scaler, overflow)).item() == 1
-
-
-def test_handles_amp_scaling():
-    params = [nn.Parameter(torch.ones(2))]
-    assert _compat.handles_amp_scaling(torch.optim.AdamW(params, fused=True))
-    assert not _compat.handles_amp_scaling(torch.optim.AdamW(params))
-    assert not _compat.handles_amp_scaling(torch.optim.SGD(params, lr=0.1))
-
-
-def test_foreach_norm():
-    tensors = [torch.tensor([3.0, 4.0]), torch.tensor([-2.0])]
-    for ord in (2.0, 1.0, float("inf")):
-        expected = [torch.linalg.vector_norm(t, ord) for t in tensors]
-        assert torch.equal(torch.stack(_compat.foreach_norm(tensors, ord)), torch.stack(expected))
-
-
-def test_foreach_copy():
-    tensors = [torch.tensor([3.0, 4.0]), torch.tensor([-2.0])]
-    copies = _compat.foreach_copy(tensors)
-    tensors[0].zero_()
-    assert [c.tolist() for c in copies] == [[3.0, 4.0], [-2.0]]
-
-
-def test_foreach_sub_():
-    tensors = [torch.tensor([3.0, 4.0]), torch.tensor([-2.0])]
-    _compat.foreach_sub_(tensors, [torch.tensor([1.0, 1.0]), torch.tensor([2.0])])
-    assert [t.tolist() for t in tensors] == [[2.0, 3.0], [-4.0]]
-
-
-# ---- torch.distributed -------------------------------------------------------------------------------------
-def test_is_compiled():
-    module = nn.Linear(2, 2)
-    assert not _compat.is_compiled(module)
-    module.compile()
-    assert _compat.is_compiled(module)
-
-
-def test_checkpoint_activations():
-    torch.manual_seed(0)
-    plain = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
-    recomputed = copy.deepcopy(plain)
-    _compat.checkpoint_activations(recomputed[0])
-    batch = torch.randn(3, 4)
-    plain(batch).sum().backward()
-    recomputed(batch).sum().backward()
-    assert [n for n, _ in recomputed.named_parameters()] == [n for n, _ in plain.named_parameters()]
-    for a, b in zip(plain.parameters(), recomputed.parameters(), strict=True):
-        torch.testing.assert_close(a.grad, b.grad)
-
-
-def test_ddp_comm_hook_name(process_group):
-    model = nn.parallel.DistributedDataParallel(nn.Linear(2, 2))
-    assert _compat.ddp_comm_hook_name(model) is None
-    model.register_comm_hook(None, default_hooks.fp16_compress_hook)
-    assert _compat.ddp_comm_hook_name(model) == "fp16_compress_hook"
-
-
-def test_forward_only_v_schedule(process_group):
-    """One rank holding both stages of a V (pp=1): the two neighbouring stages where torch's own V-shaped
-    eval fails; the forward-only schedule gives the whole model's logits, twice (its state resets)."""
-    from torch.distributed.pipelining import PipelineStage
-
-    from lightning_train.models.gpt import GPT, GPTConfig
-    from lightning_train.strategies.pipeline import stage_model
-
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=64, n_layer=2, n_head=2, n_embd=16, block_size=8))
-    views = [stage_model(model, [0], True, False), stage_model(model, [1], False, True)]
-    stages = [PipelineStage(view, index, 2, torch.device("cpu")) for index, view in enumerate(views)]
-    schedule = _compat.forward_only_v_schedule(stages, 2)
-    tokens = torch.randint(0, 64, (4, 8))
-    with torch.no_grad():
-        expected = model(tokens)
-        for _ in range(2):
-            torch.testing.assert_close(schedule.eval(tokens), expected)
 
 
 def test_save_model_checkpoint_now(tmp_path):
@@ -161,33 +49,6 @@ def test_save_model_checkpoint_now(tmp_path):
     trainer.fit(BoringModel())
     assert saver.saved == ["epoch=0-step=2.ckpt", "last.ckpt"]  # top-k and last, at that step
 
-
-def test_end_distributed_process(tmp_path):
-    """Exit handlers run, output is flushed, the exit code is kept, and the process ends."""
-    script = f"""
-import atexit, sys, torch.distributed as dist
-from lightning_train._compat import end_distributed_process
-atexit.register(lambda: open({str(tmp_path / "handler-ran")!r}, "w").close())
-dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-print("unflushed", end="")
-end_distributed_process(7)
-print("never reached")
-"""
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
-    assert (result.returncode, result.stdout) == (7, "unflushed"), result.stderr
-    assert (tmp_path / "handler-ran").exists()
-
-
-def test_process_group_store():
-    """The default group's store, shared by its ranks: set, get and a counter; None outside a group."""
-    assert _compat.process_group_store() is None
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        store = _compat.process_group_store()
-        store.set("compat-test", "7")
-        assert store.get("compat-test") == b"7" and store.add("compat-counter", 1) == 1
-    finally:
-        dist.destroy_process_group()
 
 
 def test_logging_as_hook():
@@ -488,79 +349,3 @@ def test_subcommand_parser():
     # Lightning looks the fit parser up again after parsing (to add configure_optimizers to the model)
     cli = _SubcommandsThroughCompat(BoringModel, args=["fit", *CLI_ARGS], save_config_callback=None)
     assert cli.trainer.global_step == 1  # fit's parser took the trainer's arguments, and it ran
-
-
-# ---- tqdm and argparse ------------------------------------------------------------------------------------
-def test_open_tqdm_bars():
-    bar = tqdm(total=1, file=io.StringIO())
-    assert bar in _compat.open_tqdm_bars()
-    bar.close()
-    assert bar not in _compat.open_tqdm_bars()
-
-
-def test_subcommand_actions():
-    parser = argparse.ArgumentParser()
-    subparsers = parser.add_subparsers()
-    subparsers.add_parser("fit", help="Train a model.")
-    subparsers.add_parser("validate", help="Evaluate.")
-    assert [(a.dest, a.help) for a in _compat.subcommand_actions(subparsers)] == [
-        ("fit", "Train a model."), ("validate", "Evaluate."),
-    ]
-    assert _compat.subcommand_actions(parser.add_argument("--seed")) is None
-
-
-# ---- torchmetrics ----------------------------------------------------------------------------------------
-TORCHMETRICS_FLAGS = (
-    "import sys\nfrom lightning_train._compat import torchmetrics_without_heavy_extras\n"
-    "torchmetrics_without_heavy_extras()\nimport torchmetrics.utilities.imports as flags\n"
-    "print([bool(getattr(flags, name)) for name in {flags!r}], 'transformers' in sys.modules, "
-    "'matplotlib' in sys.modules)"
-)
-
-
-@pytest.mark.parametrize("full", [False, True])
-def test_torchmetrics_without_heavy_extras(full: bool) -> None:
-    """In a fresh interpreter (torchmetrics not yet imported): torchmetrics sees transformers and matplotlib
-    as absent and does not import them; with LIGHTNING_TRAIN_FULL_TORCHMETRICS=1 both are as installed."""
-    script = TORCHMETRICS_FLAGS.format(flags=other_api._HEAVY_OPTIONAL_FLAGS)
-    env = cli_env(**({_compat.FULL_TORCHMETRICS_ENV: "1"} if full else {}))
-    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
-                          timeout=120)
-    assert done.returncode == 0, done.stderr[-3000:]
-    flags = len(other_api._HEAVY_OPTIONAL_FLAGS)
-    assert done.stdout.strip() == f"{[full] * flags} {full} {full}"
-
-
-OBJECT_STORAGE_CHECK = (
-    "import sys\nimport fsspec\nimport lightning.fabric.utilities.cloud_io as cloud_io\n"
-    "from lightning_train._compat import object_storage_check_without_imports\n"
-    "object_storage_check_without_imports()\nfirst = cloud_io._is_object_storage\n"
-    "object_storage_check_without_imports()\nassert cloud_io._is_object_storage is first  # once only\n"
-    "local = [cloud_io._is_object_storage(fsspec.filesystem('file')), 's3fs' in sys.modules]\n"
-    "from s3fs import S3FileSystem\n"
-    "print(local, cloud_io._is_object_storage(S3FileSystem(anon=True)))"
-)
-
-
-def test_object_storage_check_without_imports() -> None:
-    """In a fresh interpreter: a local filesystem is not object storage and s3fs stays unimported; an
-    S3 filesystem (s3fs imported to make it) still is; a second call changes nothing."""
-    done = subprocess.run([sys.executable, "-c", OBJECT_STORAGE_CHECK], capture_output=True, text=True,
-                          timeout=120)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.strip() == "[False, False] True"
-
-
-# ---- private methods overridden in place (listed in _compat's docstring) ----------------------------------
-@pytest.mark.parametrize("base, name, caller", [
-    (LightningCLI, "_add_subcommands", LightningCLI),
-    (LightningCLI, "_parse_ckpt_path", LightningCLI),
-    (Strategy, "_configure_launcher", accelerator_connector),
-    (argparse.HelpFormatter, "_fill_text", argparse.HelpFormatter),
-    (argparse.HelpFormatter, "_get_help_string", argparse.HelpFormatter),
-    (argparse.HelpFormatter, "_format_action", argparse.HelpFormatter),
-])
-def test_overridden_private_methods_are_still_called(base: type, name: str, caller: Any):
-    """An override of a method its base renamed would silently never run: each one is still defined
-    by the base, and called where it was."""
-    assert callable(getattr(base, name, None)) and f".{name}(" in inspect.getsource(caller)

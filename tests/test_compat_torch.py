@@ -1,0 +1,147 @@
+"""Tests of ``lightning_train._compat.torch_api``, one a function, against the installed torch: an
+upgrade that renames or changes one of its private names fails the test named after it."""
+
+from __future__ import annotations
+
+import copy
+import subprocess
+import sys
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+from lightning_train import _compat
+
+
+# ---- torch: GradScaler and optimizers ---------------------------------------------------------------------
+def _scaled_step(scaler: torch.amp.GradScaler, grad: float) -> torch.optim.Optimizer:
+    weight = nn.Parameter(torch.ones(2))
+    optimizer = torch.optim.SGD([weight], lr=0.1)
+    scaler.scale((weight * grad).sum()).backward()
+    return optimizer
+
+
+def test_loss_scale_async():
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    assert _compat.loss_scale_async(scaler) is None  # no scale() yet
+    scaler.scale(torch.ones(()))
+    scale = _compat.loss_scale_async(scaler)
+    assert isinstance(scale, torch.Tensor) and scale.item() == 1024.0
+
+
+def test_found_inf_per_device():
+    scaler = torch.amp.GradScaler("cpu")
+    finite = _scaled_step(scaler, 1.0)
+    assert _compat.found_inf_per_device(scaler, finite) == []  # before unscale_
+    scaler.unscale_(finite)
+    assert sum(_compat.found_inf_per_device(scaler, finite)).item() == 0
+    overflow = _scaled_step(scaler, float("inf"))
+    scaler.unscale_(overflow)
+    assert sum(_compat.found_inf_per_device(scaler, overflow)).item() == 1
+
+
+def test_handles_amp_scaling():
+    params = [nn.Parameter(torch.ones(2))]
+    assert _compat.handles_amp_scaling(torch.optim.AdamW(params, fused=True))
+    assert not _compat.handles_amp_scaling(torch.optim.AdamW(params))
+    assert not _compat.handles_amp_scaling(torch.optim.SGD(params, lr=0.1))
+
+
+def test_foreach_norm():
+    tensors = [torch.tensor([3.0, 4.0]), torch.tensor([-2.0])]
+    for ord in (2.0, 1.0, float("inf")):
+        expected = [torch.linalg.vector_norm(t, ord) for t in tensors]
+        assert torch.equal(torch.stack(_compat.foreach_norm(tensors, ord)), torch.stack(expected))
+
+
+def test_foreach_copy():
+    tensors = [torch.tensor([3.0, 4.0]), torch.tensor([-2.0])]
+    copies = _compat.foreach_copy(tensors)
+    tensors[0].zero_()
+    assert [c.tolist() for c in copies] == [[3.0, 4.0], [-2.0]]
+
+
+def test_foreach_sub_():
+    tensors = [torch.tensor([3.0, 4.0]), torch.tensor([-2.0])]
+    _compat.foreach_sub_(tensors, [torch.tensor([1.0, 1.0]), torch.tensor([2.0])])
+    assert [t.tolist() for t in tensors] == [[2.0, 3.0], [-4.0]]
+
+
+# ---- torch.distributed -------------------------------------------------------------------------------------
+def test_is_compiled():
+    module = nn.Linear(2, 2)
+    assert not _compat.is_compiled(module)
+    module.compile()
+    assert _compat.is_compiled(module)
+
+
+def test_checkpoint_activations():
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    recomputed = copy.deepcopy(plain)
+    _compat.checkpoint_activations(recomputed[0])
+    batch = torch.randn(3, 4)
+    plain(batch).sum().backward()
+    recomputed(batch).sum().backward()
+    assert [n for n, _ in recomputed.named_parameters()] == [n for n, _ in plain.named_parameters()]
+    for a, b in zip(plain.parameters(), recomputed.parameters(), strict=True):
+        torch.testing.assert_close(a.grad, b.grad)
+
+
+def test_ddp_comm_hook_name(process_group):
+    model = nn.parallel.DistributedDataParallel(nn.Linear(2, 2))
+    assert _compat.ddp_comm_hook_name(model) is None
+    model.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    assert _compat.ddp_comm_hook_name(model) == "fp16_compress_hook"
+
+
+def test_forward_only_v_schedule(process_group):
+    """One rank holding both stages of a V (pp=1): the two neighbouring stages where torch's own V-shaped
+    eval fails; the forward-only schedule gives the whole model's logits, twice (its state resets)."""
+    from torch.distributed.pipelining import PipelineStage
+
+    from lightning_train.models.gpt import GPT, GPTConfig
+    from lightning_train.strategies.pipeline import stage_model
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=64, n_layer=2, n_head=2, n_embd=16, block_size=8))
+    views = [stage_model(model, [0], True, False), stage_model(model, [1], False, True)]
+    stages = [PipelineStage(view, index, 2, torch.device("cpu")) for index, view in enumerate(views)]
+    schedule = _compat.forward_only_v_schedule(stages, 2)
+    tokens = torch.randint(0, 64, (4, 8))
+    with torch.no_grad():
+        expected = model(tokens)
+        for _ in range(2):
+            torch.testing.assert_close(schedule.eval(tokens), expected)
+
+
+
+
+def test_end_distributed_process(tmp_path):
+    """Exit handlers run, output is flushed, the exit code is kept, and the process ends."""
+    script = f"""
+import atexit, sys, torch.distributed as dist
+from lightning_train._compat import end_distributed_process
+atexit.register(lambda: open({str(tmp_path / "handler-ran")!r}, "w").close())
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+print("unflushed", end="")
+end_distributed_process(7)
+print("never reached")
+"""
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert (result.returncode, result.stdout) == (7, "unflushed"), result.stderr
+    assert (tmp_path / "handler-ran").exists()
+
+
+def test_process_group_store():
+    """The default group's store, shared by its ranks: set, get and a counter; None outside a group."""
+    assert _compat.process_group_store() is None
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        store = _compat.process_group_store()
+        store.set("compat-test", "7")
+        assert store.get("compat-test") == b"7" and store.add("compat-counter", 1) == 1
+    finally:
+        dist.destroy_process_group()
