@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
-from typing import Literal, get_args, get_origin, get_type_hints
+from typing import Any, Literal, get_args, get_origin, get_type_hints
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +20,8 @@ from torch import nn
 
 from lightning_train.errors import UserInputError
 from lightning_train.models.generate import decode
+from lightning_train.models.kv_cache import KVCache
+from lightning_train.models.rope import RotaryEmbedding, apply_rotary, check_scaling
 
 VOCAB_MULTIPLE = 64  # a vocabulary taken from the data is padded to this: faster matmuls (nanoGPT, LitGPT)
 
@@ -58,19 +60,31 @@ class GPTConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     init_std: float = 0.02
+    # The options of the open model families (docs/models.md names each family's):
+    head_dim: int | None = None  # None: n_embd // n_head (Qwen3 and Gemma set their own)
+    qkv_bias: bool = False  # biases on q, k, v only (Qwen2); `bias` puts them on every layer
+    qk_norm: Literal["none", "head"] = "none"  # RMSNorm on each head of q and k before rope (Qwen3)
+    rope_scaling: dict[str, Any] | None = None  # models.rope.SCALINGS: Llama 3.1+ ("llama3"), linear, yarn
+    sliding_window: int | None = None  # a position attends to itself and the window - 1 before it
+    sliding_window_layers: list[int] | None = None  # the layers with the window; None: all of them
+    family: str | None = None  # the Hugging Face model_type it was read from: export writes the same
 
     def __post_init__(self) -> None:
         _check_ranges(self)
         if self.n_kv_head is None:
             self.n_kv_head = self.n_head
-        if self.n_embd % self.n_head:
-            raise UserInputError(f"n_embd={self.n_embd} must be divisible by n_head={self.n_head}")
+        split = f"n_embd={self.n_embd} / n_head={self.n_head}"
+        set_by = f"head_dim={self.head_dim}" if self.head_dim else split
+        if self.head_dim is None:
+            if self.n_embd % self.n_head:
+                raise UserInputError(f"n_embd={self.n_embd} must be divisible by n_head={self.n_head}")
+            self.head_dim = self.n_embd // self.n_head
         if self.n_head % self.n_kv_head:
             raise UserInputError(f"n_head={self.n_head} must be divisible by n_kv_head={self.n_kv_head}")
         if self.position == "rope" and self.head_dim % 2:  # rotary embeddings rotate pairs of dimensions
             raise UserInputError(
-                f"n_embd={self.n_embd} / n_head={self.n_head} gives heads of {self.head_dim} dimensions; "
-                "position='rope' needs an even number: change n_embd or n_head"
+                f"{set_by} gives heads of {self.head_dim} dimensions; position='rope' needs an even number: "
+                "change n_embd, n_head or head_dim"
             )
         if self.intermediate_size is None:
             if self.mlp == "gelu":
@@ -78,14 +92,16 @@ class GPTConfig:
             else:  # 2/3 of 4*n_embd keeps the parameter count of a GELU MLP; round up to 32
                 self.intermediate_size = 32 * math.ceil(8 * self.n_embd / 3 / 32)
 
-    @property
-    def head_dim(self) -> int:
-        return self.n_embd // self.n_head
+    def window(self, layer: int) -> int | None:
+        """The sliding window of ``layer``'s attention; None: it sees the whole context."""
+        layers = self.sliding_window_layers
+        return self.sliding_window if layers is None or layer in layers else None
 
 
 def _check_ranges(config: GPTConfig) -> None:
     """Refuse a value no model can have (a traceback, or a model of empty tensors, later on)."""
-    for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_kv_head", "n_embd", "intermediate_size"):
+    for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_kv_head", "n_embd", "intermediate_size",
+                 "head_dim", "sliding_window"):
         value = getattr(config, name)
         if value is not None and value < 1:  # None: filled in (see the fields' comments)
             raise UserInputError(f"{name}={value} must be at least 1")
@@ -100,6 +116,7 @@ def _check_ranges(config: GPTConfig) -> None:
         value = getattr(config, name)
         if get_origin(hint) is Literal and value not in get_args(hint):
             raise UserInputError(f"{name}={value!r} is not one of {', '.join(get_args(hint))}")
+    check_scaling(config.rope_scaling)
 
 
 def padded_vocab_size(vocab_size: int) -> int:
@@ -119,92 +136,17 @@ def _norm(config: GPTConfig) -> nn.Module:
     return nn.LayerNorm(config.n_embd, eps=config.norm_eps, bias=config.bias)
 
 
-class RotaryEmbedding(nn.Module):
-    """cos/sin tables for rotary embeddings (the "rotate half" layout used by Llama checkpoints)."""
-
-    def __init__(self, config: GPTConfig) -> None:
-        super().__init__()
-        self.head_dim, self.max_len, self.theta = config.head_dim, config.block_size, config.rope_theta
-        # Non-persistent: derived from the config, so not in checkpoints; rebuilt by reset_parameters()
-        # after a strategy materialises the model from the meta device.
-        self.register_buffer("cos", torch.empty(self.max_len, self.head_dim), persistent=False)
-        self.register_buffer("sin", torch.empty(self.max_len, self.head_dim), persistent=False)
-        self.reset_parameters()
-
-    def reset_parameters(self) -> None:
-        device = self.cos.device if self.cos.device.type != "meta" else None
-        inv_freq = 1.0 / self.theta ** (
-            torch.arange(0, self.head_dim, 2, device=device).float() / self.head_dim
-        )
-        angles = torch.outer(torch.arange(self.max_len, device=device).float(), inv_freq)
-        angles = torch.cat([angles, angles], dim=-1)
-        with torch.no_grad():
-            self.cos.copy_(angles.cos())
-            self.sin.copy_(angles.sin())
-
-    def forward(self, start: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The (cos, sin) tables of positions ``start .. start + length - 1``, each (length, head_dim)."""
-        return self.cos[start : start + length], self.sin[start : start + length]
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` of shape (B, heads, T, head_dim) by the angles whose cos/sin are given."""
-    cos, sin = cos.to(x.dtype), sin.to(x.dtype)  # x is bf16/fp16 under autocast
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
-
-
-class KVCache:
-    """Keys and values of past positions for incremental decoding, one entry per block.
-
-    Example (decoding one token at a time with the cache gives the logits of the full sequence):
-
-        >>> import torch
-        >>> from lightning_train.models import GPT, GPTConfig, KVCache
-        >>> model = GPT(GPTConfig(vocab_size=258, block_size=16, n_layer=2, n_head=2, n_embd=32)).eval()
-        >>> tokens = torch.tensor([[5, 6, 7, 8]])
-        >>> cache = KVCache(model.config.n_layer)
-        >>> first = model(tokens[:, :3], cache)  # the prompt, once
-        >>> last = model(tokens[:, 3:], cache)  # then only the new token
-        >>> cache.length, torch.allclose(last[:, -1], model(tokens)[:, -1], atol=1e-5)
-        (4, True)
-    """
-
-    def __init__(self, n_layer: int) -> None:
-        self.keys: list[torch.Tensor | None] = [None] * n_layer
-        self.values: list[torch.Tensor | None] = [None] * n_layer
-
-    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.keys[layer] is not None:
-            k = torch.cat([self.keys[layer], k], dim=2)
-            v = torch.cat([self.values[layer], v], dim=2)
-        self.keys[layer], self.values[layer] = k, v
-        return k, v
-
-    def crop(self, length: int) -> None:
-        """Forget the positions from ``length`` on (a forward that computed more positions than it keeps)."""
-        self.keys = [None if k is None else k[:, :, :length] for k in self.keys]
-        self.values = [None if v is None else v[:, :, :length] for v in self.values]
-
-    @property
-    def length(self) -> int:
-        return self.past_length(0)
-
-    def past_length(self, layer: int) -> int:
-        """Positions already cached for ``layer`` (before this forward's update)."""
-        keys = self.keys[layer]
-        return 0 if keys is None else keys.shape[2]
-
-
 class Attention(nn.Module):
     def __init__(self, config: GPTConfig, layer: int) -> None:
         super().__init__()
-        self.config, self.layer = config, layer
+        self.config, self.layer, self.window = config, layer, config.window(layer)
         self.n_head, self.n_kv_head, self.head_dim = config.n_head, config.n_kv_head, config.head_dim
-        self.qkv = nn.Linear(
-            config.n_embd, (self.n_head + 2 * self.n_kv_head) * self.head_dim, bias=config.bias
-        )
-        self.proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        qkv_width = (self.n_head + 2 * self.n_kv_head) * self.head_dim
+        self.qkv = nn.Linear(config.n_embd, qkv_width, bias=config.bias or config.qkv_bias)
+        self.proj = nn.Linear(self.n_head * self.head_dim, config.n_embd, bias=config.bias)
+        per_head = config.qk_norm == "head"
+        self.q_norm = nn.RMSNorm(self.head_dim, eps=config.norm_eps) if per_head else None
+        self.k_norm = nn.RMSNorm(self.head_dim, eps=config.norm_eps) if per_head else None
 
     def forward(self, x: torch.Tensor, rope: RotaryEmbedding | None, cache: KVCache | None) -> torch.Tensor:
         B, T, _ = x.shape
@@ -215,23 +157,33 @@ class Attention(nn.Module):
         q = q.view(B, T, self.n_head, self.head_dim).transpose(1, 2)
         k = k.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
         v = v.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         past = cache.past_length(self.layer) if cache is not None else 0
         if rope is not None:  # looked up here, where x holds whole sequences (sequence parallelism too)
             tables = rope(past, T)
             q, k = apply_rotary(q, *tables), apply_rotary(k, *tables)
         if cache is not None:
             k, v = cache.update(self.layer, k, v)
-        # One new token attends to every cached position; a prompt (T > 1) needs the causal mask, and
-        # T > 1 tokens after cached ones (tensor-parallel decoding) the causal mask shifted by the past.
-        mask = None
-        if past and T > 1:
-            mask = torch.ones(T, past + T, dtype=torch.bool, device=x.device).tril(past)
+        mask = attention_mask(past, T, self.window, x.device)
         dropout = self.config.dropout if self.training else 0.0
         y = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=T > 1 and mask is None, dropout_p=dropout,
             enable_gqa=self.n_kv_head != self.n_head,
         )
         return self.proj(y.transpose(1, 2).reshape(B, T, -1))  # -1: the local heads under TP
+
+
+def attention_mask(past: int, T: int, window: int | None, device: torch.device) -> torch.Tensor | None:
+    """Which of the ``past + T`` keys each of the ``T`` queries sees, or None where ``is_causal`` says it
+    (a prompt) or nothing needs masking (one new token and a window that covers the past). T > 1 tokens
+    after cached ones (tensor-parallel decoding) need the causal mask shifted by the past; a sliding
+    window hides the keys ``window`` or more positions back, as Mistral's and Qwen2's attention does."""
+    if window is None or past + T <= window:
+        return torch.ones(T, past + T, dtype=torch.bool, device=device).tril(past) if past and T > 1 else None
+    query = torch.arange(past, past + T, device=device)[:, None]
+    key = torch.arange(past + T, device=device)
+    return (key <= query) & (key > query - window)
 
 
 class MLP(nn.Module):
@@ -308,7 +260,9 @@ class GPT(nn.Module):
         self.pos_embed = (
             nn.Embedding(config.block_size, config.n_embd) if config.position == "learned" else None
         )
-        self.rope = RotaryEmbedding(config) if config.position == "rope" else None
+        self.rope = RotaryEmbedding(
+            config.head_dim, config.block_size, config.rope_theta, config.rope_scaling
+        ) if config.position == "rope" else None
         self.dropout = nn.Dropout(config.dropout)
         self.blocks = nn.ModuleList(Block(config, i) for i in range(config.n_layer))
         self.norm = _norm(config)
@@ -381,9 +335,11 @@ class GPT(nn.Module):
         norm = c.n_embd * (2 if c.norm == "layernorm" and c.bias else 1)
         qkv_width = (c.n_head + 2 * c.n_kv_head) * c.head_dim
         mlp_layers = 3 if c.mlp == "swiglu" else 2
-        block = c.n_embd * qkv_width + c.n_embd**2 + mlp_layers * c.n_embd * c.intermediate_size + 2 * norm
+        block = (c.n_embd * qkv_width + c.n_head * c.head_dim * c.n_embd
+                 + mlp_layers * c.n_embd * c.intermediate_size + 2 * norm)
         if c.bias:
             block += qkv_width + c.n_embd + (mlp_layers - 1) * c.intermediate_size + c.n_embd
+        block += qkv_width * (c.qkv_bias and not c.bias) + 2 * c.head_dim * (c.qk_norm == "head")
         weights = c.n_layer * block + norm + c.vocab_size * c.n_embd  # + final norm, lm_head
         return 6 * weights + 12 * c.n_layer * c.n_embd * seq_len
 
