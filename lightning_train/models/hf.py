@@ -28,8 +28,16 @@ import torch
 
 from lightning_train.errors import UserInputError
 from lightning_train.models.gpt import GPTConfig
+from lightning_train.models.rope import SCALINGS
 
-SUPPORTED = ("gpt2", "llama", "mistral")
+SUPPORTED = ("gpt2", "llama", "mistral", "qwen2", "qwen3")
+# Families still refused, and the supported one nearest to each (what a user may load instead)
+NEAREST = {"gemma": "llama", "gemma2": "llama", "gemma3": "llama", "gemma3_text": "llama", "phi3": "llama",
+           "olmo2": "qwen3", "gpt_neox": "gpt2", "stablelm": "llama", "granite": "llama", "smollm3": "llama",
+           "phi": "gpt2", "falcon": "llama", "olmo": "llama", "cohere": "llama", "starcoder2": "mistral"}
+# why a refused config value matters: the model would compute something else than the checkpoint's
+ROPE_WHY = {"dynamic": "its frequencies change with each sequence's length",
+            "longrope": "its frequencies switch with the sequence's length (Phi-3's LongRoPE)"}
 StateDict = dict[str, torch.Tensor]
 
 
@@ -37,9 +45,11 @@ def config_from_hf(hf: dict[str, Any], source: str) -> GPTConfig:
     """Our ``GPTConfig`` for the values of an HF ``config.json`` (``source`` names it in errors)."""
     model_type = hf.get("model_type")
     if model_type not in SUPPORTED:
+        nearest = NEAREST.get(model_type)
+        hint = f"; the nearest supported family is {nearest!r}" if nearest else ""
         raise UserInputError(
             f"{source!r} holds a {model_type!r} model ({hf.get('architectures')}); supported Hugging Face "
-            f"architectures are {list(SUPPORTED)}"
+            f"architectures are {list(SUPPORTED)}{hint}"
         )
     return gpt2_config(hf, source) if model_type == "gpt2" else llama_config(hf, source)
 
@@ -55,8 +65,9 @@ def state_dict_from_hf(weights: StateDict, config: GPTConfig, source: str) -> St
         raise UserInputError(f"{source!r} lacks the weight {err.args[0]!r} of its config.json") from err
 
 
-def _reject(source: str, setting: str, value: Any) -> None:
-    raise UserInputError(f"{source!r}: {setting}={value!r} is not supported by lightning_train's GPT")
+def _reject(source: str, setting: str, value: Any, why: str = "") -> None:
+    why = f": {why}" if why else ""
+    raise UserInputError(f"{source!r}: {setting}={value!r} is not supported by lightning_train's GPT{why}")
 
 
 def gpt2_config(hf: dict[str, Any], source: str) -> GPTConfig:
@@ -76,27 +87,71 @@ def gpt2_config(hf: dict[str, Any], source: str) -> GPTConfig:
 
 
 def llama_config(hf: dict[str, Any], source: str) -> GPTConfig:
-    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}  # transformers 5 / 4
-    if rope.get("rope_type", rope.get("type", "default")) != "default":
-        _reject(source, "rope_type", rope.get("rope_type", rope.get("type")))
+    """Llama, Mistral, Qwen2 and Qwen3: one block, with q/k/v biases (Qwen2), per-head q/k norms
+    (Qwen3) and a sliding window (Mistral, Qwen2/3 from ``max_window_layers`` on) as its options."""
+    family = hf["model_type"]
+    theta, scaling = _rope(hf, source)
     if hf.get("hidden_act", "silu") != "silu":
         _reject(source, "hidden_act", hf["hidden_act"])
-    if hf.get("attention_bias", False) != hf.get("mlp_bias", False):
-        _reject(source, "attention_bias != mlp_bias", (hf.get("attention_bias"), hf.get("mlp_bias")))
-    if hf.get("sliding_window") and hf["sliding_window"] < hf["max_position_embeddings"]:
-        _reject(source, "sliding_window", hf["sliding_window"])
-    n_embd, n_head = hf["hidden_size"], hf["num_attention_heads"]
-    if hf.get("head_dim", n_embd // n_head) != n_embd // n_head:
-        _reject(source, "head_dim", hf["head_dim"])
-    return GPTConfig(
+    bias = bool(hf.get("attention_bias", False))
+    if family in ("llama", "mistral") and bias != hf.get("mlp_bias", False):
+        _reject(source, "attention_bias != mlp_bias", (bias, hf.get("mlp_bias")),
+                "our bias option puts biases on every layer or none")
+    if family == "qwen3" and bias:
+        _reject(source, "attention_bias", True, "an o_proj bias without MLP biases has no GPTConfig option")
+    window, layers = _sliding_window(hf)
+    config = GPTConfig(
         vocab_size=hf["vocab_size"], block_size=hf["max_position_embeddings"],
-        n_layer=hf["num_hidden_layers"], n_head=n_head, n_kv_head=hf.get("num_key_value_heads") or n_head,
-        n_embd=n_embd,
+        n_layer=hf["num_hidden_layers"], n_head=hf["num_attention_heads"],
+        n_kv_head=hf.get("num_key_value_heads") or hf["num_attention_heads"], n_embd=hf["hidden_size"],
         intermediate_size=hf["intermediate_size"], norm="rmsnorm", position="rope", mlp="swiglu",
-        bias=bool(hf.get("attention_bias", False)), tie_embeddings=hf.get("tie_word_embeddings", False),
-        rope_theta=hf.get("rope_theta", rope.get("rope_theta", 10000.0)),
+        bias=bias and family != "qwen2", qkv_bias=family == "qwen2",
+        qk_norm="head" if family == "qwen3" else "none", head_dim=hf.get("head_dim"),
+        tie_embeddings=hf.get("tie_word_embeddings", False), rope_theta=theta, rope_scaling=scaling,
+        sliding_window=window, sliding_window_layers=layers,
         norm_eps=hf.get("rms_norm_eps", 1e-6), **_training_settings(hf, "attention_dropout"),
     )
+    # the family is recorded only where the block does not name it (a Mistral without a window)
+    return config if family == derived_family(config) else dataclasses.replace(config, family=family)
+
+
+def _rope(hf: dict[str, Any], source: str) -> tuple[float, dict[str, Any] | None]:
+    """``rope_theta`` and the scaling (``rope_parameters`` of transformers 5, ``rope_scaling`` of 4)."""
+    rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    theta = rope.pop("rope_theta", hf.get("rope_theta", 10000.0))
+    kind = rope.setdefault("rope_type", rope.pop("type", "default"))
+    if kind == "default":
+        return theta, None
+    if kind not in SCALINGS:
+        why = ROPE_WHY.get(kind, f"supported are 'default', {', '.join(SCALINGS)}")
+        _reject(source, "rope_type", kind, why)
+    return theta, rope
+
+
+def _sliding_window(hf: dict[str, Any]) -> tuple[int | None, list[int] | None]:
+    """The window and the layers it applies to (None: all). Mistral's covers every layer; Qwen2/3's
+    those ``layer_types`` names (``max_window_layers`` on, in configs written before it)."""
+    window, n_layer = hf.get("sliding_window"), hf["num_hidden_layers"]
+    if not window or (hf["model_type"] != "mistral" and not hf.get("use_sliding_window")):
+        return None, None
+    if hf["model_type"] == "mistral":
+        return window, None
+    types = hf.get("layer_types")
+    first = hf.get("max_window_layers", n_layer)
+    layers = [i for i in range(n_layer) if (types[i] == "sliding_attention" if types else i >= first)]
+    return (window, None) if len(layers) == n_layer else (window, layers)
+
+
+def derived_family(config: GPTConfig) -> str:
+    """The HF family that describes ``config`` by its block alone (export writes it unless
+    ``config.family`` says otherwise)."""
+    if config.position == "learned":
+        return "gpt2"
+    if config.qk_norm == "head":
+        return "qwen3"
+    if config.qkv_bias or config.sliding_window_layers is not None:
+        return "qwen2"
+    return "mistral" if config.sliding_window else "llama"
 
 
 def _training_settings(hf: dict[str, Any], dropout_key: str) -> dict[str, Any]:
@@ -120,18 +175,28 @@ def _convert_gpt2(w: StateDict, config: GPTConfig, source: str) -> StateDict:
     return _finish(out, w, config, source)
 
 
+def _llama_layout(config: GPTConfig) -> list[tuple[str, list[str], tuple[str, ...]]]:
+    """Each layer's tensors: our module, the HF modules it holds (q, k, v concatenated into ``qkv``)
+    and which of weight/bias it has. One table for both directions."""
+    kinds = ("weight", "bias") if config.bias else ("weight",)
+    qkv_kinds = ("weight", "bias") if config.bias or config.qkv_bias else kinds
+    norm = ("weight",)
+    layout = [("attn_norm", ["input_layernorm"], norm), ("mlp_norm", ["post_attention_layernorm"], norm),
+              ("attn.qkv", ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], qkv_kinds),
+              ("attn.proj", ["self_attn.o_proj"], kinds), ("mlp.gate", ["mlp.gate_proj"], kinds),
+              ("mlp.up", ["mlp.up_proj"], kinds), ("mlp.down", ["mlp.down_proj"], kinds)]
+    if config.qk_norm == "head":
+        layout += [("attn.q_norm", ["self_attn.q_norm"], norm), ("attn.k_norm", ["self_attn.k_norm"], norm)]
+    return layout
+
+
 def _convert_llama(w: StateDict, config: GPTConfig, source: str) -> StateDict:
     out = {"embed.weight": w.pop("embed_tokens.weight"), "norm.weight": w.pop("norm.weight")}
     for i in range(config.n_layer):
-        p = f"layers.{i}."
-        out[f"blocks.{i}.attn_norm.weight"] = w.pop(p + "input_layernorm.weight")
-        out[f"blocks.{i}.mlp_norm.weight"] = w.pop(p + "post_attention_layernorm.weight")
-        sources = {"attn.qkv": ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
-                   "attn.proj": ["self_attn.o_proj"], "mlp.gate": ["mlp.gate_proj"],
-                   "mlp.up": ["mlp.up_proj"], "mlp.down": ["mlp.down_proj"]}
-        for ours, theirs in sources.items():  # q, k, v concatenated; the rest one to one
-            for kind in ("weight", "bias") if config.bias else ("weight",):
-                out[f"blocks.{i}.{ours}.{kind}"] = torch.cat([w.pop(f"{p}{t}.{kind}") for t in theirs])
+        for ours, theirs, kinds in _llama_layout(config):  # q, k, v concatenated; the rest one to one
+            for kind in kinds:
+                parts = [w.pop(f"layers.{i}.{name}.{kind}") for name in theirs]
+                out[f"blocks.{i}.{ours}.{kind}"] = torch.cat(parts)
     return _finish(out, w, config, source)
 
 
@@ -148,7 +213,7 @@ def _finish(out: StateDict, rest: StateDict, config: GPTConfig, source: str) -> 
     return out
 
 
-# ---- the way out: our GPT as an HF GPT2LMHeadModel or LlamaForCausalLM --------------------------------
+# ---- the way out: our GPT as an HF GPT2LMHeadModel, or Llama, Mistral, Qwen2 or Qwen3 ------------------
 LLAMA_BLOCK = {"norm": "rmsnorm", "position": "rope", "mlp": "swiglu"}
 GPT2_BLOCK = {"norm": "layernorm", "position": "learned", "mlp": "gelu", "bias": True}
 
@@ -167,15 +232,35 @@ def hf_config(config: GPTConfig) -> dict[str, Any]:
             "activation_function": "gelu_pytorch_tanh", "layer_norm_epsilon": config.norm_eps,
             "resid_pdrop": config.dropout, "embd_pdrop": config.dropout, "attn_pdrop": config.dropout,
         }
-    return {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", **common,
+    family = config.family or derived_family(config)
+    values = {
+        "architectures": [ARCHITECTURES[family]], "model_type": family, **common,
         "hidden_size": config.n_embd, "intermediate_size": config.intermediate_size,
         "num_hidden_layers": config.n_layer, "num_attention_heads": config.n_head,
         "num_key_value_heads": config.n_kv_head, "head_dim": config.head_dim, "hidden_act": "silu",
         "max_position_embeddings": config.block_size, "rms_norm_eps": config.norm_eps,
-        "rope_theta": config.rope_theta, "attention_bias": config.bias,
-        "mlp_bias": config.bias, "attention_dropout": config.dropout,
+        "rope_theta": config.rope_theta, "attention_dropout": config.dropout,
+        "rope_parameters": {"rope_type": "default", **(config.rope_scaling or {}),
+                            "rope_theta": config.rope_theta},
+        "attention_bias": config.bias, "mlp_bias": config.bias, "sliding_window": config.sliding_window,
     }
+    if family in ("qwen2", "qwen3"):
+        values |= {"use_sliding_window": config.sliding_window is not None,
+                   "max_window_layers": config.n_layer,  # layer_types names the windowed layers
+                   "layer_types": [("sliding" if config.window(i) else "full") + "_attention"
+                                   for i in range(config.n_layer)]}
+    back = dataclasses.asdict(config_from_hf(values, "export"))
+    lost = [f"{k}={v!r}" for k, v in dataclasses.asdict(config).items() if k != "family" and back[k] != v]
+    if lost:
+        raise UserInputError(
+            f"cannot export to Hugging Face as {ARCHITECTURES[family]}: {', '.join(lost)} has no place in "
+            "its config.json; export it with --format safetensors"
+        )
+    return values
+
+
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                 "qwen3": "Qwen3ForCausalLM"}
 
 
 def _hf_flavour(config: GPTConfig) -> str:
@@ -229,16 +314,12 @@ def _llama_from_ours(w: StateDict, config: GPTConfig) -> StateDict:
     out = {"model.embed_tokens.weight": w["embed.weight"], "model.norm.weight": w["norm.weight"]}
     q, kv = config.n_head * config.head_dim, config.n_kv_head * config.head_dim
     for i in range(config.n_layer):
-        p, b = f"model.layers.{i}.", f"blocks.{i}."
-        out[p + "input_layernorm.weight"] = w[b + "attn_norm.weight"]
-        out[p + "post_attention_layernorm.weight"] = w[b + "mlp_norm.weight"]
-        for kind in ("weight", "bias") if config.bias else ("weight",):
-            parts = w[f"{b}attn.qkv.{kind}"].split([q, kv, kv])
-            for name, part in zip(("q_proj", "k_proj", "v_proj"), parts, strict=True):
-                out[f"{p}self_attn.{name}.{kind}"] = part.contiguous()
-            out[f"{p}self_attn.o_proj.{kind}"] = w[f"{b}attn.proj.{kind}"]
-            for theirs, ours in (("gate_proj", "gate"), ("up_proj", "up"), ("down_proj", "down")):
-                out[f"{p}mlp.{theirs}.{kind}"] = w[f"{b}mlp.{ours}.{kind}"]
+        for ours, theirs, kinds in _llama_layout(config):
+            for kind in kinds:
+                tensor = w[f"blocks.{i}.{ours}.{kind}"]
+                parts = tensor.split([q, kv, kv]) if len(theirs) == 3 else [tensor]
+                for name, part in zip(theirs, parts, strict=True):
+                    out[f"model.layers.{i}.{name}.{kind}"] = part.contiguous()
     return out
 
 
