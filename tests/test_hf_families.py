@@ -17,6 +17,7 @@ from lightning_train.checkpoint import export, open_pretrained
 from lightning_train.errors import UserInputError
 from lightning_train.models.lora import LoRAConfig, lora_layers
 from lightning_train.modules.finetune import FinetuneModule
+from lightning_train.strategies.tensor_parallel import check_tensor_parallel
 from tests.test_finetune import RandomTokens
 
 transformers = pytest.importorskip("transformers")
@@ -39,6 +40,7 @@ FAMILIES = {
                                      "max_window_layers": 1}),
     "qwen3": ("Qwen3Config", {"head_dim": 24}),  # heads wider than hidden_size / num_attention_heads
     "mistral-window": ("MistralConfig", {"sliding_window": 6}),
+    "olmo2": ("Olmo2Config", {}),
 }
 
 
@@ -129,10 +131,19 @@ def test_finetune_from_a_qwen2_folder(tmp_path, lora):
 
 @pytest.mark.parametrize(
     ("model_type", "nearest"),
-    [("gemma2", "llama"), ("phi3", "llama"), ("olmo2", "qwen3"), ("gpt_neox", "gpt2")],
+    [("gemma2", "llama"), ("phi3", "llama"), ("stablelm", "llama"), ("gpt_neox", "gpt2")],
 )
 def test_a_refused_family_names_the_nearest_supported_one(tmp_path, model_type, nearest):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type}))
     expected = rf"'{model_type}' model .*nearest supported family is '{nearest}'"
     with pytest.raises(UserInputError, match=expected):
         open_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize("name", ["qwen3", "olmo2"])
+def test_tensor_parallel_refuses_the_norms_it_does_not_split(tmp_path, name):
+    hf_folder(name, tmp_path)
+    config = open_pretrained(tmp_path).config
+    check_tensor_parallel(1, config)
+    with pytest.raises(UserInputError, match=r"tensor_parallel=2 does not split a model with qk_norm="):
+        check_tensor_parallel(2, config)

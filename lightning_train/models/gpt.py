@@ -63,7 +63,9 @@ class GPTConfig:
     # The options of the open model families (docs/models.md names each family's):
     head_dim: int | None = None  # None: n_embd // n_head (Qwen3 and Gemma set their own)
     qkv_bias: bool = False  # biases on q, k, v only (Qwen2); `bias` puts them on every layer
-    qk_norm: Literal["none", "head"] = "none"  # RMSNorm on each head of q and k before rope (Qwen3)
+    # RMSNorm of q and k before rope: of each head (Qwen3), or of the whole projection (OLMo-2)
+    qk_norm: Literal["none", "head", "projection"] = "none"
+    block_norms: Literal["pre", "post", "both"] = "pre"  # norms before the sublayers, after them (OLMo-2)
     rope_scaling: dict[str, Any] | None = None  # models.rope.SCALINGS: Llama 3.1+ ("llama3"), linear, yarn
     sliding_window: int | None = None  # a position attends to itself and the window - 1 before it
     sliding_window_layers: list[int] | None = None  # the layers with the window; None: all of them
@@ -144,9 +146,12 @@ class Attention(nn.Module):
         qkv_width = (self.n_head + 2 * self.n_kv_head) * self.head_dim
         self.qkv = nn.Linear(config.n_embd, qkv_width, bias=config.bias or config.qkv_bias)
         self.proj = nn.Linear(self.n_head * self.head_dim, config.n_embd, bias=config.bias)
-        per_head = config.qk_norm == "head"
-        self.q_norm = nn.RMSNorm(self.head_dim, eps=config.norm_eps) if per_head else None
-        self.k_norm = nn.RMSNorm(self.head_dim, eps=config.norm_eps) if per_head else None
+        self.q_norm = self.k_norm = None
+        if config.qk_norm != "none":
+            per_head = config.qk_norm == "head"
+            q_width, k_width = (1, 1) if per_head else (self.n_head, self.n_kv_head)
+            self.q_norm = nn.RMSNorm(q_width * self.head_dim, eps=config.norm_eps)
+            self.k_norm = nn.RMSNorm(k_width * self.head_dim, eps=config.norm_eps)
 
     def forward(self, x: torch.Tensor, rope: RotaryEmbedding | None, cache: KVCache | None) -> torch.Tensor:
         B, T, _ = x.shape
@@ -154,10 +159,12 @@ class Attention(nn.Module):
             [self.n_head * self.head_dim, self.n_kv_head * self.head_dim, self.n_kv_head * self.head_dim],
             dim=-1,
         )
+        if self.config.qk_norm == "projection":
+            q, k = self.q_norm(q), self.k_norm(k)
         q = q.view(B, T, self.n_head, self.head_dim).transpose(1, 2)
         k = k.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
         v = v.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
-        if self.q_norm is not None:
+        if self.config.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
         past = cache.past_length(self.layer) if cache is not None else 0
         if rope is not None:  # looked up here, where x holds whole sequences (sequence parallelism too)
@@ -219,10 +226,13 @@ class Block(nn.Module):
 
     def __init__(self, config: GPTConfig, layer: int) -> None:
         super().__init__()
-        self.attn_norm = _norm(config)
+        pre, post = config.block_norms in ("pre", "both"), config.block_norms in ("post", "both")
+        self.attn_norm = _norm(config) if pre else nn.Identity()
         self.attn = Attention(config, layer)
-        self.mlp_norm = _norm(config)
+        self.attn_post_norm = _norm(config) if post else nn.Identity()  # on the sublayer's output (OLMo-2)
+        self.mlp_norm = _norm(config) if pre else nn.Identity()
         self.mlp = MLP(config)
+        self.mlp_post_norm = _norm(config) if post else nn.Identity()
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(
@@ -231,8 +241,8 @@ class Block(nn.Module):
         rope: RotaryEmbedding | None,
         cache: KVCache | None = None,
     ) -> torch.Tensor:
-        x = x + self.dropout(self.attn(self.attn_norm(x), rope, cache))
-        return x + self.dropout(self.mlp(self.mlp_norm(x)))
+        x = x + self.dropout(self.attn_post_norm(self.attn(self.attn_norm(x), rope, cache)))
+        return x + self.dropout(self.mlp_post_norm(self.mlp(self.mlp_norm(x))))
 
 
 class GPT(nn.Module):
@@ -339,7 +349,9 @@ class GPT(nn.Module):
                  + mlp_layers * c.n_embd * c.intermediate_size + 2 * norm)
         if c.bias:
             block += qkv_width + c.n_embd + (mlp_layers - 1) * c.intermediate_size + c.n_embd
-        block += qkv_width * (c.qkv_bias and not c.bias) + 2 * c.head_dim * (c.qk_norm == "head")
+        block += qkv_width * (c.qkv_bias and not c.bias) + 2 * norm * (c.block_norms == "both")
+        qk_norms = {"none": 0, "head": 2 * c.head_dim, "projection": (c.n_head + c.n_kv_head) * c.head_dim}
+        block += qk_norms[c.qk_norm]
         weights = c.n_layer * block + norm + c.vocab_size * c.n_embd  # + final norm, lm_head
         return 6 * weights + 12 * c.n_layer * c.n_embd * seq_len
 

@@ -30,10 +30,10 @@ from lightning_train.errors import UserInputError
 from lightning_train.models.gpt import GPTConfig
 from lightning_train.models.rope import SCALINGS
 
-SUPPORTED = ("gpt2", "llama", "mistral", "qwen2", "qwen3")
+SUPPORTED = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "olmo2")
 # Families still refused, and the supported one nearest to each (what a user may load instead)
 NEAREST = {"gemma": "llama", "gemma2": "llama", "gemma3": "llama", "gemma3_text": "llama", "phi3": "llama",
-           "olmo2": "qwen3", "gpt_neox": "gpt2", "stablelm": "llama", "granite": "llama", "smollm3": "llama",
+           "gpt_neox": "gpt2", "stablelm": "llama", "granite": "llama", "smollm3": "llama",
            "phi": "gpt2", "falcon": "llama", "olmo": "llama", "cohere": "llama", "starcoder2": "mistral"}
 # why a refused config value matters: the model would compute something else than the checkpoint's
 ROPE_WHY = {"dynamic": "its frequencies change with each sequence's length",
@@ -87,8 +87,9 @@ def gpt2_config(hf: dict[str, Any], source: str) -> GPTConfig:
 
 
 def llama_config(hf: dict[str, Any], source: str) -> GPTConfig:
-    """Llama, Mistral, Qwen2 and Qwen3: one block, with q/k/v biases (Qwen2), per-head q/k norms
-    (Qwen3) and a sliding window (Mistral, Qwen2/3 from ``max_window_layers`` on) as its options."""
+    """Llama, Mistral, Qwen2, Qwen3 and OLMo-2: one block, with q/k/v biases (Qwen2), q/k norms (per
+    head: Qwen3; of the projections: OLMo-2), norms after the sublayers (OLMo-2) and a sliding window
+    (Mistral, Qwen2/3 from ``max_window_layers`` on) as its options."""
     family = hf["model_type"]
     theta, scaling = _rope(hf, source)
     if hf.get("hidden_act", "silu") != "silu":
@@ -97,7 +98,7 @@ def llama_config(hf: dict[str, Any], source: str) -> GPTConfig:
     if family in ("llama", "mistral") and bias != hf.get("mlp_bias", False):
         _reject(source, "attention_bias != mlp_bias", (bias, hf.get("mlp_bias")),
                 "our bias option puts biases on every layer or none")
-    if family == "qwen3" and bias:
+    if family in ("qwen3", "olmo2") and bias:
         _reject(source, "attention_bias", True, "an o_proj bias without MLP biases has no GPTConfig option")
     window, layers = _sliding_window(hf)
     config = GPTConfig(
@@ -106,7 +107,8 @@ def llama_config(hf: dict[str, Any], source: str) -> GPTConfig:
         n_kv_head=hf.get("num_key_value_heads") or hf["num_attention_heads"], n_embd=hf["hidden_size"],
         intermediate_size=hf["intermediate_size"], norm="rmsnorm", position="rope", mlp="swiglu",
         bias=bias and family != "qwen2", qkv_bias=family == "qwen2",
-        qk_norm="head" if family == "qwen3" else "none", head_dim=hf.get("head_dim"),
+        qk_norm={"qwen3": "head", "olmo2": "projection"}.get(family, "none"), head_dim=hf.get("head_dim"),
+        block_norms="post" if family == "olmo2" else "pre",
         tie_embeddings=hf.get("tie_word_embeddings", False), rope_theta=theta, rope_scaling=scaling,
         sliding_window=window, sliding_window_layers=layers,
         norm_eps=hf.get("rms_norm_eps", 1e-6), **_training_settings(hf, "attention_dropout"),
@@ -147,6 +149,8 @@ def derived_family(config: GPTConfig) -> str:
     ``config.family`` says otherwise)."""
     if config.position == "learned":
         return "gpt2"
+    if config.qk_norm == "projection" or config.block_norms == "post":
+        return "olmo2"
     if config.qk_norm == "head":
         return "qwen3"
     if config.qkv_bias or config.sliding_window_layers is not None:
@@ -175,17 +179,24 @@ def _convert_gpt2(w: StateDict, config: GPTConfig, source: str) -> StateDict:
     return _finish(out, w, config, source)
 
 
+# our norms and HF's, by ``block_norms`` (Llama's "post_attention_layernorm" is before the MLP)
+BLOCK_NORMS = {
+    "pre": {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm"},
+    "post": {"attn_post_norm": "post_attention_layernorm", "mlp_post_norm": "post_feedforward_layernorm"},
+}
+
+
 def _llama_layout(config: GPTConfig) -> list[tuple[str, list[str], tuple[str, ...]]]:
     """Each layer's tensors: our module, the HF modules it holds (q, k, v concatenated into ``qkv``)
     and which of weight/bias it has. One table for both directions."""
     kinds = ("weight", "bias") if config.bias else ("weight",)
     qkv_kinds = ("weight", "bias") if config.bias or config.qkv_bias else kinds
     norm = ("weight",)
-    layout = [("attn_norm", ["input_layernorm"], norm), ("mlp_norm", ["post_attention_layernorm"], norm),
-              ("attn.qkv", ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], qkv_kinds),
+    layout = [(ours, [theirs], norm) for ours, theirs in BLOCK_NORMS[config.block_norms].items()]
+    layout += [("attn.qkv", ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], qkv_kinds),
               ("attn.proj", ["self_attn.o_proj"], kinds), ("mlp.gate", ["mlp.gate_proj"], kinds),
               ("mlp.up", ["mlp.up_proj"], kinds), ("mlp.down", ["mlp.down_proj"], kinds)]
-    if config.qk_norm == "head":
+    if config.qk_norm != "none":
         layout += [("attn.q_norm", ["self_attn.q_norm"], norm), ("attn.k_norm", ["self_attn.k_norm"], norm)]
     return layout
 
@@ -260,7 +271,7 @@ def hf_config(config: GPTConfig) -> dict[str, Any]:
 
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                 "qwen3": "Qwen3ForCausalLM"}
+                 "qwen3": "Qwen3ForCausalLM", "olmo2": "Olmo2ForCausalLM"}
 
 
 def _hf_flavour(config: GPTConfig) -> str:
