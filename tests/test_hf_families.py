@@ -27,6 +27,8 @@ SMALL = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_la
              bos_token_id=None, eos_token_id=None)  # generations run their full length
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
           "original_max_position_embeddings": 16, "rope_theta": 500000.0}
+GEMMA3_ROPE = {"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+               "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}  # a base per layer type
 # family -> (transformers' config class, its arguments beyond SMALL); windows of 6 are shorter than the
 # 24 tokens compared and the 26 of a generation, so the masking is tested, the KV cache's too
 FAMILIES = {
@@ -41,6 +43,12 @@ FAMILIES = {
     "qwen3": ("Qwen3Config", {"head_dim": 24}),  # heads wider than hidden_size / num_attention_heads
     "mistral-window": ("MistralConfig", {"sliding_window": 6}),
     "olmo2": ("Olmo2Config", {}),
+    "gemma": ("GemmaConfig", {"head_dim": 24, "tie_word_embeddings": True}),
+    "gemma2": ("Gemma2Config", {"head_dim": 24, "sliding_window": 6, "query_pre_attn_scalar": 20,
+                                "attn_logit_softcapping": 5.0, "final_logit_softcapping": 3.0}),
+    "gemma3": ("Gemma3TextConfig", {"head_dim": 24, "sliding_window": 6, "query_pre_attn_scalar": 20,
+                                    "layer_types": ["sliding_attention", "full_attention"],
+                                    "rope_parameters": GEMMA3_ROPE}),
 }
 
 
@@ -131,7 +139,7 @@ def test_finetune_from_a_qwen2_folder(tmp_path, lora):
 
 @pytest.mark.parametrize(
     ("model_type", "nearest"),
-    [("gemma2", "llama"), ("phi3", "llama"), ("stablelm", "llama"), ("gpt_neox", "gpt2")],
+    [("gemma3", "gemma3_text"), ("phi3", "llama"), ("stablelm", "llama"), ("gpt_neox", "gpt2")],
 )
 def test_a_refused_family_names_the_nearest_supported_one(tmp_path, model_type, nearest):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type}))

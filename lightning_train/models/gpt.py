@@ -11,114 +11,17 @@ where the device has them).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
-from typing import Any, Literal, get_args, get_origin, get_type_hints
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from lightning_train.errors import UserInputError
+from lightning_train.models.config import GPTConfig
 from lightning_train.models.generate import decode
 from lightning_train.models.kv_cache import KVCache
-from lightning_train.models.rope import RotaryEmbedding, apply_rotary, check_scaling
+from lightning_train.models.layers import MLP, Attention, make_norm
+from lightning_train.models.rope import RotaryEmbedding
 
 VOCAB_MULTIPLE = 64  # a vocabulary taken from the data is padded to this: faster matmuls (nanoGPT, LitGPT)
-
-
-@dataclass
-class GPTConfig:
-    """Shape and flavour of the model. The defaults are a small Llama-style model.
-
-    Example (the Llama-style default and a GPT-2 block of the same width):
-
-        >>> from lightning_train import GPT, GPTConfig
-        >>> llama = GPTConfig(vocab_size=258, n_layer=2, n_head=4, n_kv_head=2, n_embd=64)
-        >>> llama.head_dim, llama.intermediate_size  # SwiGLU: ~8/3 of n_embd, rounded up to 32
-        (16, 192)
-        >>> gpt2 = GPTConfig(
-        ...     vocab_size=258, n_layer=2, n_head=4, n_embd=64, norm="layernorm", position="learned",
-        ...     mlp="gelu", bias=True,
-        ... )
-        >>> gpt2.intermediate_size, GPT(gpt2).num_params() > GPT(llama).num_params()
-        (256, True)
-    """
-
-    vocab_size: int | None = None  # None: the data's, padded (PretrainModule/FinetuneModule fill it in)
-    block_size: int = 256  # longest context the model accepts
-    n_layer: int = 4
-    n_head: int = 4
-    n_kv_head: int | None = None  # < n_head: grouped-query attention; None: same as n_head
-    n_embd: int = 256
-    intermediate_size: int | None = None  # MLP width; None: 4*n_embd (gelu) or ~8/3*n_embd (swiglu)
-    norm: Literal["rmsnorm", "layernorm"] = "rmsnorm"
-    position: Literal["rope", "learned"] = "rope"
-    mlp: Literal["swiglu", "gelu"] = "swiglu"
-    bias: bool = False
-    tie_embeddings: bool = True
-    dropout: float = 0.0
-    rope_theta: float = 10000.0
-    norm_eps: float = 1e-5
-    init_std: float = 0.02
-    # The options of the open model families (docs/models.md names each family's):
-    head_dim: int | None = None  # None: n_embd // n_head (Qwen3 and Gemma set their own)
-    qkv_bias: bool = False  # biases on q, k, v only (Qwen2); `bias` puts them on every layer
-    # RMSNorm of q and k before rope: of each head (Qwen3), or of the whole projection (OLMo-2)
-    qk_norm: Literal["none", "head", "projection"] = "none"
-    block_norms: Literal["pre", "post", "both"] = "pre"  # norms before the sublayers, after them (OLMo-2)
-    rope_scaling: dict[str, Any] | None = None  # models.rope.SCALINGS: Llama 3.1+ ("llama3"), linear, yarn
-    sliding_window: int | None = None  # a position attends to itself and the window - 1 before it
-    sliding_window_layers: list[int] | None = None  # the layers with the window; None: all of them
-    family: str | None = None  # the Hugging Face model_type it was read from: export writes the same
-
-    def __post_init__(self) -> None:
-        _check_ranges(self)
-        if self.n_kv_head is None:
-            self.n_kv_head = self.n_head
-        split = f"n_embd={self.n_embd} / n_head={self.n_head}"
-        set_by = f"head_dim={self.head_dim}" if self.head_dim else split
-        if self.head_dim is None:
-            if self.n_embd % self.n_head:
-                raise UserInputError(f"n_embd={self.n_embd} must be divisible by n_head={self.n_head}")
-            self.head_dim = self.n_embd // self.n_head
-        if self.n_head % self.n_kv_head:
-            raise UserInputError(f"n_head={self.n_head} must be divisible by n_kv_head={self.n_kv_head}")
-        if self.position == "rope" and self.head_dim % 2:  # rotary embeddings rotate pairs of dimensions
-            raise UserInputError(
-                f"{set_by} gives heads of {self.head_dim} dimensions; position='rope' needs an even number: "
-                "change n_embd, n_head or head_dim"
-            )
-        if self.intermediate_size is None:
-            if self.mlp == "gelu":
-                self.intermediate_size = 4 * self.n_embd
-            else:  # 2/3 of 4*n_embd keeps the parameter count of a GELU MLP; round up to 32
-                self.intermediate_size = 32 * math.ceil(8 * self.n_embd / 3 / 32)
-
-    def window(self, layer: int) -> int | None:
-        """The sliding window of ``layer``'s attention; None: it sees the whole context."""
-        layers = self.sliding_window_layers
-        return self.sliding_window if layers is None or layer in layers else None
-
-
-def _check_ranges(config: GPTConfig) -> None:
-    """Refuse a value no model can have (a traceback, or a model of empty tensors, later on)."""
-    for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_kv_head", "n_embd", "intermediate_size",
-                 "head_dim", "sliding_window"):
-        value = getattr(config, name)
-        if value is not None and value < 1:  # None: filled in (see the fields' comments)
-            raise UserInputError(f"{name}={value} must be at least 1")
-    if not 0 <= config.dropout < 1:
-        raise UserInputError(f"dropout={config.dropout} is outside [0, 1); use 0.0 for none, or e.g. 0.1")
-    defaults = {field.name: field.default for field in fields(config)}
-    for name in ("rope_theta", "norm_eps", "init_std"):
-        value = getattr(config, name)
-        if not 0 < value < math.inf:  # also refuses nan
-            raise UserInputError(f"{name}={value} must be positive and finite (default {defaults[name]})")
-    for name, hint in get_type_hints(GPTConfig).items():  # norm, position, mlp: Python does not check them
-        value = getattr(config, name)
-        if get_origin(hint) is Literal and value not in get_args(hint):
-            raise UserInputError(f"{name}={value!r} is not one of {', '.join(get_args(hint))}")
-    check_scaling(config.rope_scaling)
 
 
 def padded_vocab_size(vocab_size: int) -> int:
@@ -130,85 +33,6 @@ def padded_vocab_size(vocab_size: int) -> int:
         (320, 512, 50304)
     """
     return -(-vocab_size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
-
-
-def _norm(config: GPTConfig) -> nn.Module:
-    if config.norm == "rmsnorm":
-        return nn.RMSNorm(config.n_embd, eps=config.norm_eps)
-    return nn.LayerNorm(config.n_embd, eps=config.norm_eps, bias=config.bias)
-
-
-class Attention(nn.Module):
-    def __init__(self, config: GPTConfig, layer: int) -> None:
-        super().__init__()
-        self.config, self.layer, self.window = config, layer, config.window(layer)
-        self.n_head, self.n_kv_head, self.head_dim = config.n_head, config.n_kv_head, config.head_dim
-        qkv_width = (self.n_head + 2 * self.n_kv_head) * self.head_dim
-        self.qkv = nn.Linear(config.n_embd, qkv_width, bias=config.bias or config.qkv_bias)
-        self.proj = nn.Linear(self.n_head * self.head_dim, config.n_embd, bias=config.bias)
-        self.q_norm = self.k_norm = None
-        if config.qk_norm != "none":
-            per_head = config.qk_norm == "head"
-            q_width, k_width = (1, 1) if per_head else (self.n_head, self.n_kv_head)
-            self.q_norm = nn.RMSNorm(q_width * self.head_dim, eps=config.norm_eps)
-            self.k_norm = nn.RMSNorm(k_width * self.head_dim, eps=config.norm_eps)
-
-    def forward(self, x: torch.Tensor, rope: RotaryEmbedding | None, cache: KVCache | None) -> torch.Tensor:
-        B, T, _ = x.shape
-        q, k, v = self.qkv(x).split(
-            [self.n_head * self.head_dim, self.n_kv_head * self.head_dim, self.n_kv_head * self.head_dim],
-            dim=-1,
-        )
-        if self.config.qk_norm == "projection":
-            q, k = self.q_norm(q), self.k_norm(k)
-        q = q.view(B, T, self.n_head, self.head_dim).transpose(1, 2)
-        k = k.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
-        v = v.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
-        if self.config.qk_norm == "head":
-            q, k = self.q_norm(q), self.k_norm(k)
-        past = cache.past_length(self.layer) if cache is not None else 0
-        if rope is not None:  # looked up here, where x holds whole sequences (sequence parallelism too)
-            tables = rope(past, T)
-            q, k = apply_rotary(q, *tables), apply_rotary(k, *tables)
-        if cache is not None:
-            k, v = cache.update(self.layer, k, v)
-        mask = attention_mask(past, T, self.window, x.device)
-        dropout = self.config.dropout if self.training else 0.0
-        y = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=T > 1 and mask is None, dropout_p=dropout,
-            enable_gqa=self.n_kv_head != self.n_head,
-        )
-        return self.proj(y.transpose(1, 2).reshape(B, T, -1))  # -1: the local heads under TP
-
-
-def attention_mask(past: int, T: int, window: int | None, device: torch.device) -> torch.Tensor | None:
-    """Which of the ``past + T`` keys each of the ``T`` queries sees, or None where ``is_causal`` says it
-    (a prompt) or nothing needs masking (one new token and a window that covers the past). T > 1 tokens
-    after cached ones (tensor-parallel decoding) need the causal mask shifted by the past; a sliding
-    window hides the keys ``window`` or more positions back, as Mistral's and Qwen2's attention does."""
-    if window is None or past + T <= window:
-        return torch.ones(T, past + T, dtype=torch.bool, device=device).tril(past) if past and T > 1 else None
-    query = torch.arange(past, past + T, device=device)[:, None]
-    key = torch.arange(past + T, device=device)
-    return (key <= query) & (key > query - window)
-
-
-class MLP(nn.Module):
-    """SwiGLU, ``down(silu(gate(x)) * up(x))``, or GELU, ``down(gelu(up(x)))``. gate and up are two
-    layers, as in Llama checkpoints: one fused layer split in two copies its gradient in backward."""
-
-    def __init__(self, config: GPTConfig) -> None:
-        super().__init__()
-        hidden = config.intermediate_size
-        gated = config.mlp == "swiglu"
-        self.gate = nn.Linear(config.n_embd, hidden, bias=config.bias) if gated else None
-        self.up = nn.Linear(config.n_embd, hidden, bias=config.bias)
-        self.down = nn.Linear(hidden, config.n_embd, bias=config.bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gate is not None:
-            return self.down(F.silu(self.gate(x)) * self.up(x))
-        return self.down(F.gelu(self.up(x), approximate="tanh"))
 
 
 class Block(nn.Module):
@@ -227,12 +51,12 @@ class Block(nn.Module):
     def __init__(self, config: GPTConfig, layer: int) -> None:
         super().__init__()
         pre, post = config.block_norms in ("pre", "both"), config.block_norms in ("post", "both")
-        self.attn_norm = _norm(config) if pre else nn.Identity()
+        self.attn_norm = make_norm(config) if pre else nn.Identity()
         self.attn = Attention(config, layer)
-        self.attn_post_norm = _norm(config) if post else nn.Identity()  # on the sublayer's output (OLMo-2)
-        self.mlp_norm = _norm(config) if pre else nn.Identity()
+        self.attn_post_norm = make_norm(config) if post else nn.Identity()  # on the sublayer output
+        self.mlp_norm = make_norm(config) if pre else nn.Identity()
         self.mlp = MLP(config)
-        self.mlp_post_norm = _norm(config) if post else nn.Identity()
+        self.mlp_post_norm = make_norm(config) if post else nn.Identity()
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(
@@ -270,12 +94,16 @@ class GPT(nn.Module):
         self.pos_embed = (
             nn.Embedding(config.block_size, config.n_embd) if config.position == "learned" else None
         )
+        rope = config.position == "rope"
         self.rope = RotaryEmbedding(
             config.head_dim, config.block_size, config.rope_theta, config.rope_scaling
-        ) if config.position == "rope" else None
+        ) if rope else None
+        self.local_rope = RotaryEmbedding(  # Gemma 3: sliding-window layers have a rope base of their own
+            config.head_dim, config.block_size, config.local_rope_theta
+        ) if rope and config.local_rope_theta else None
         self.dropout = nn.Dropout(config.dropout)
         self.blocks = nn.ModuleList(Block(config, i) for i in range(config.n_layer))
-        self.norm = _norm(config)
+        self.norm = make_norm(config)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.lm_head.weight = self.embed.weight
@@ -306,10 +134,12 @@ class GPT(nn.Module):
         the ``lm_head`` returns its hidden states."""
         x = self.embed_tokens(idx, cache) if idx.dim() == 2 else idx
         for block in self.blocks:
-            x = block(x, self.rope, cache)
+            local = self.local_rope is not None and block.attn.window is not None
+            x = block(x, self.local_rope if local else self.rope, cache)
         if self.lm_head is None:
             return x
-        return self.lm_head(self.norm(x))
+        logits, cap = self.lm_head(self.norm(x)), self.config.logit_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def embed_tokens(self, idx: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         """The residual stream's start: token (and learned position) embeddings of ``idx`` (B, T)."""
@@ -321,6 +151,8 @@ class GPT(nn.Module):
                 "use shorter sequences or a model with a larger block_size"
             )
         x = self.embed(idx)
+        if self.config.embed_scale:  # in the embeddings' dtype, as Gemma rounds it
+            x = x * torch.tensor(self.config.n_embd**0.5, dtype=x.dtype)
         if self.pos_embed is not None:
             x = x + self.pos_embed(torch.arange(start, start + T, device=idx.device))
         return self.dropout(x)
@@ -344,7 +176,7 @@ class GPT(nn.Module):
         # counted from the config, not the parameters: the same for a pipeline stage or a sharded model
         norm = c.n_embd * (2 if c.norm == "layernorm" and c.bias else 1)
         qkv_width = (c.n_head + 2 * c.n_kv_head) * c.head_dim
-        mlp_layers = 3 if c.mlp == "swiglu" else 2
+        mlp_layers = 2 if c.mlp == "gelu" else 3
         block = (c.n_embd * qkv_width + c.n_head * c.head_dim * c.n_embd
                  + mlp_layers * c.n_embd * c.intermediate_size + 2 * norm)
         if c.bias:

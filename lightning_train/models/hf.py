@@ -30,9 +30,9 @@ from lightning_train.errors import UserInputError
 from lightning_train.models.gpt import GPTConfig
 from lightning_train.models.rope import SCALINGS
 
-SUPPORTED = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "olmo2")
+SUPPORTED = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "olmo2", "gemma", "gemma2", "gemma3_text")
 # Families still refused, and the supported one nearest to each (what a user may load instead)
-NEAREST = {"gemma": "llama", "gemma2": "llama", "gemma3": "llama", "gemma3_text": "llama", "phi3": "llama",
+NEAREST = {"gemma3": "gemma3_text", "phi3": "llama",
            "gpt_neox": "gpt2", "stablelm": "llama", "granite": "llama", "smollm3": "llama",
            "phi": "gpt2", "falcon": "llama", "olmo": "llama", "cohere": "llama", "starcoder2": "mistral"}
 # why a refused config value matters: the model would compute something else than the checkpoint's
@@ -87,60 +87,90 @@ def gpt2_config(hf: dict[str, Any], source: str) -> GPTConfig:
 
 
 def llama_config(hf: dict[str, Any], source: str) -> GPTConfig:
-    """Llama, Mistral, Qwen2, Qwen3 and OLMo-2: one block, with q/k/v biases (Qwen2), q/k norms (per
-    head: Qwen3; of the projections: OLMo-2), norms after the sublayers (OLMo-2) and a sliding window
-    (Mistral, Qwen2/3 from ``max_window_layers`` on) as its options."""
+    """Llama, Mistral, Qwen2/3, OLMo-2 and Gemma 1/2/3: one block, with q/k/v biases (Qwen2), q/k norms
+    (per head: Qwen3, Gemma 3; of the projections: OLMo-2), norms after the sublayers (OLMo-2; before
+    and after: Gemma 2/3), a sliding window (Mistral, Qwen2/3 from ``max_window_layers`` on, Gemma
+    2/3's local layers) and Gemma's (1 + w) norms, GeGLU, scaled embeddings and soft-capping."""
     family = hf["model_type"]
-    theta, scaling = _rope(hf, source)
-    if hf.get("hidden_act", "silu") != "silu":
-        _reject(source, "hidden_act", hf["hidden_act"])
+    gemma = family.startswith("gemma")
+    theta, scaling, local_theta = _rope(hf, source)
+    activation = hf.get("hidden_activation") or hf.get("hidden_act", "silu")
+    if activation != ("gelu_pytorch_tanh" if gemma else "silu"):
+        _reject(source, "hidden_act", activation)
     bias = bool(hf.get("attention_bias", False))
     if family in ("llama", "mistral") and bias != hf.get("mlp_bias", False):
         _reject(source, "attention_bias != mlp_bias", (bias, hf.get("mlp_bias")),
                 "our bias option puts biases on every layer or none")
-    if family in ("qwen3", "olmo2") and bias:
+    if (family in ("qwen3", "olmo2") or gemma) and bias:
         _reject(source, "attention_bias", True, "an o_proj bias without MLP biases has no GPTConfig option")
+    if hf.get("use_bidirectional_attention"):
+        _reject(source, "use_bidirectional_attention", True, "a token would see the tokens after it")
     window, layers = _sliding_window(hf)
     config = GPTConfig(
         vocab_size=hf["vocab_size"], block_size=hf["max_position_embeddings"],
         n_layer=hf["num_hidden_layers"], n_head=hf["num_attention_heads"],
         n_kv_head=hf.get("num_key_value_heads") or hf["num_attention_heads"], n_embd=hf["hidden_size"],
-        intermediate_size=hf["intermediate_size"], norm="rmsnorm", position="rope", mlp="swiglu",
-        bias=bias and family != "qwen2", qkv_bias=family == "qwen2",
-        qk_norm={"qwen3": "head", "olmo2": "projection"}.get(family, "none"), head_dim=hf.get("head_dim"),
-        block_norms="post" if family == "olmo2" else "pre",
-        tie_embeddings=hf.get("tie_word_embeddings", False), rope_theta=theta, rope_scaling=scaling,
-        sliding_window=window, sliding_window_layers=layers,
+        intermediate_size=hf["intermediate_size"], norm="offset_rmsnorm" if gemma else "rmsnorm",
+        position="rope", mlp="geglu" if gemma else "swiglu", bias=bias and family != "qwen2",
+        qkv_bias=family == "qwen2", head_size=_head_size(hf),
+        qk_norm={"qwen3": "head", "gemma3_text": "head", "olmo2": "projection"}.get(family, "none"),
+        block_norms={"olmo2": "post", "gemma2": "both", "gemma3_text": "both"}.get(family, "pre"),
+        tie_embeddings=hf.get("tie_word_embeddings", gemma), rope_theta=theta, rope_scaling=scaling,
+        local_rope_theta=local_theta, sliding_window=window, sliding_window_layers=layers,
+        embed_scale=gemma, query_scale_dim=_query_scale_dim(hf),
+        attn_softcap=hf.get("attn_logit_softcapping"), logit_softcap=hf.get("final_logit_softcapping"),
         norm_eps=hf.get("rms_norm_eps", 1e-6), **_training_settings(hf, "attention_dropout"),
     )
     # the family is recorded only where the block does not name it (a Mistral without a window)
     return config if family == derived_family(config) else dataclasses.replace(config, family=family)
 
 
-def _rope(hf: dict[str, Any], source: str) -> tuple[float, dict[str, Any] | None]:
-    """``rope_theta`` and the scaling (``rope_parameters`` of transformers 5, ``rope_scaling`` of 4)."""
+def _head_size(hf: dict[str, Any]) -> int | None:
+    """``head_dim`` where it is not hidden_size / num_attention_heads (Qwen3, Gemma), else None."""
+    default = hf["hidden_size"] // hf["num_attention_heads"]
+    return None if hf.get("head_dim", default) == default else hf["head_dim"]
+
+
+def _query_scale_dim(hf: dict[str, Any]) -> float | None:
+    """Gemma 2/3's ``query_pre_attn_scalar``, None where it is the head size (the default scale)."""
+    head_dim = _head_size(hf) or hf["hidden_size"] // hf["num_attention_heads"]
+    scalar = hf.get("query_pre_attn_scalar") if hf["model_type"] != "gemma" else None
+    return None if scalar == head_dim else scalar
+
+
+def _rope(hf: dict[str, Any], source: str) -> tuple[float, dict[str, Any] | None, float | None]:
+    """``rope_theta``, the scaling (``rope_parameters`` of transformers 5, ``rope_scaling`` of 4) and
+    the local layers' own base (Gemma 3: parameters by layer type)."""
     rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    local_theta = None
+    if "full_attention" in rope:
+        local = rope.get("sliding_attention", {})
+        if local.get("rope_type", "default") != "default":
+            _reject(source, "sliding_attention rope_type", local["rope_type"], "local layers scale no rope")
+        local_theta, rope = local.get("rope_theta"), dict(rope["full_attention"])
     theta = rope.pop("rope_theta", hf.get("rope_theta", 10000.0))
     kind = rope.setdefault("rope_type", rope.pop("type", "default"))
     if kind == "default":
-        return theta, None
+        return theta, None, local_theta
     if kind not in SCALINGS:
         why = ROPE_WHY.get(kind, f"supported are 'default', {', '.join(SCALINGS)}")
         _reject(source, "rope_type", kind, why)
-    return theta, rope
+    return theta, rope, local_theta
 
 
 def _sliding_window(hf: dict[str, Any]) -> tuple[int | None, list[int] | None]:
-    """The window and the layers it applies to (None: all). Mistral's covers every layer; Qwen2/3's
-    those ``layer_types`` names (``max_window_layers`` on, in configs written before it)."""
-    window, n_layer = hf.get("sliding_window"), hf["num_hidden_layers"]
-    if not window or (hf["model_type"] != "mistral" and not hf.get("use_sliding_window")):
+    """The window and the layers it applies to (None: all): those ``layer_types`` names, else every
+    layer (Mistral), from ``max_window_layers`` on (Qwen2/3), every other (Gemma 2)."""
+    window, n_layer, family = hf.get("sliding_window"), hf["num_hidden_layers"], hf["model_type"]
+    if not window or family == "gemma" or (family in ("qwen2", "qwen3") and not hf.get("use_sliding_window")):
         return None, None
-    if hf["model_type"] == "mistral":
-        return window, None
     types = hf.get("layer_types")
-    first = hf.get("max_window_layers", n_layer)
-    layers = [i for i in range(n_layer) if (types[i] == "sliding_attention" if types else i >= first)]
+    if types:
+        layers = [i for i, kind in enumerate(types) if kind == "sliding_attention"]
+    elif family == "gemma2":
+        layers = list(range(0, n_layer, 2))
+    else:
+        layers = list(range(hf.get("max_window_layers", 0), n_layer))
     return (window, None) if len(layers) == n_layer else (window, layers)
 
 
@@ -149,6 +179,9 @@ def derived_family(config: GPTConfig) -> str:
     ``config.family`` says otherwise)."""
     if config.position == "learned":
         return "gpt2"
+    if config.norm == "offset_rmsnorm":
+        return {"pre": "gemma", "both": "gemma3_text" if config.qk_norm == "head" else "gemma2"}.get(
+            config.block_norms, "gemma")
     if config.qk_norm == "projection" or config.block_norms == "post":
         return "olmo2"
     if config.qk_norm == "head":
@@ -183,6 +216,8 @@ def _convert_gpt2(w: StateDict, config: GPTConfig, source: str) -> StateDict:
 BLOCK_NORMS = {
     "pre": {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm"},
     "post": {"attn_post_norm": "post_attention_layernorm", "mlp_post_norm": "post_feedforward_layernorm"},
+    "both": {"attn_norm": "input_layernorm", "attn_post_norm": "post_attention_layernorm",
+             "mlp_norm": "pre_feedforward_layernorm", "mlp_post_norm": "post_feedforward_layernorm"},
 }
 
 
@@ -226,13 +261,14 @@ def _finish(out: StateDict, rest: StateDict, config: GPTConfig, source: str) -> 
 
 # ---- the way out: our GPT as an HF GPT2LMHeadModel, or Llama, Mistral, Qwen2 or Qwen3 ------------------
 LLAMA_BLOCK = {"norm": "rmsnorm", "position": "rope", "mlp": "swiglu"}
+GEMMA_BLOCK = {"norm": "offset_rmsnorm", "position": "rope", "mlp": "geglu"}  # Llama's layer names
 GPT2_BLOCK = {"norm": "layernorm", "position": "learned", "mlp": "gelu", "bias": True}
 
 
 def hf_config(config: GPTConfig) -> dict[str, Any]:
     """The HF ``config.json`` values of a model with ``config`` (the inverse of ``config_from_hf``);
     refuses a config neither HF architecture describes with one error naming the settings."""
-    flavour = _hf_flavour(config)
+    flavour = hf_flavour(config)
     common = {"vocab_size": config.vocab_size, "initializer_range": config.init_std,
               "tie_word_embeddings": config.tie_embeddings}
     if flavour == "gpt2":
@@ -255,11 +291,20 @@ def hf_config(config: GPTConfig) -> dict[str, Any]:
                             "rope_theta": config.rope_theta},
         "attention_bias": config.bias, "mlp_bias": config.bias, "sliding_window": config.sliding_window,
     }
+    layer_types = [("sliding" if config.window(i) else "full") + "_attention" for i in range(config.n_layer)]
     if family in ("qwen2", "qwen3"):
-        values |= {"use_sliding_window": config.sliding_window is not None,
-                   "max_window_layers": config.n_layer,  # layer_types names the windowed layers
-                   "layer_types": [("sliding" if config.window(i) else "full") + "_attention"
-                                   for i in range(config.n_layer)]}
+        values |= {"use_sliding_window": config.sliding_window is not None, "layer_types": layer_types,
+                   "max_window_layers": config.n_layer}  # layer_types names the windowed layers
+    if family.startswith("gemma"):
+        values |= {"hidden_act": "gelu_pytorch_tanh", "hidden_activation": "gelu_pytorch_tanh",
+                   "use_bidirectional_attention": False}
+    if family in ("gemma2", "gemma3_text"):
+        values |= {"layer_types": layer_types, "attn_logit_softcapping": config.attn_softcap,
+                   "query_pre_attn_scalar": config.query_scale_dim or config.head_dim,
+                   "final_logit_softcapping": config.logit_softcap}
+    if family == "gemma3_text":  # rope parameters by layer type
+        local = {"rope_type": "default", "rope_theta": config.local_rope_theta or config.rope_theta}
+        values["rope_parameters"] = {"full_attention": values["rope_parameters"], "sliding_attention": local}
     back = dataclasses.asdict(config_from_hf(values, "export"))
     lost = [f"{k}={v!r}" for k, v in dataclasses.asdict(config).items() if k != "family" and back[k] != v]
     if lost:
@@ -271,12 +316,13 @@ def hf_config(config: GPTConfig) -> dict[str, Any]:
 
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                 "qwen3": "Qwen3ForCausalLM", "olmo2": "Olmo2ForCausalLM"}
+                 "qwen3": "Qwen3ForCausalLM", "olmo2": "Olmo2ForCausalLM", "gemma": "GemmaForCausalLM",
+                 "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
 
 
-def _hf_flavour(config: GPTConfig) -> str:
+def hf_flavour(config: GPTConfig) -> str:
     ours = dataclasses.asdict(config)
-    for flavour, block in (("llama", LLAMA_BLOCK), ("gpt2", GPT2_BLOCK)):
+    for flavour, block in (("llama", LLAMA_BLOCK), ("llama", GEMMA_BLOCK), ("gpt2", GPT2_BLOCK)):
         if all(ours[k] == v for k, v in block.items()):
             if flavour == "gpt2" and config.n_kv_head != config.n_head:
                 raise UserInputError(
@@ -298,7 +344,7 @@ def state_dict_to_hf(weights: StateDict, config: GPTConfig) -> StateDict:
     of ``state_dict_from_hf``; a tied ``lm_head.weight`` is left out, as transformers saves it)."""
     weights = dict(weights)
     head = weights.pop("lm_head.weight", None)
-    if _hf_flavour(config) == "gpt2":
+    if hf_flavour(config) == "gpt2":
         out = _gpt2_from_ours(weights, config)
     else:
         out = _llama_from_ours(weights, config)
@@ -331,52 +377,4 @@ def _llama_from_ours(w: StateDict, config: GPTConfig) -> StateDict:
                 parts = tensor.split([q, kv, kv]) if len(theirs) == 3 else [tensor]
                 for name, part in zip(theirs, parts, strict=True):
                     out[f"model.layers.{i}.{name}.{kind}"] = part.contiguous()
-    return out
-
-
-# ---- LoRA adapters on the exported model, in peft's names --------------------------------------------------
-Adapters = dict[str, tuple[torch.Tensor, torch.Tensor]]  # layer -> (A, B)
-_LLAMA_LAYERS = {"attn.proj": "self_attn.o_proj", "mlp.gate": "mlp.gate_proj", "mlp.up": "mlp.up_proj",
-                 "mlp.down": "mlp.down_proj"}
-_GPT2_LAYERS = {"attn.proj": "attn.c_proj", "mlp.up": "mlp.c_fc", "mlp.down": "mlp.c_proj"}
-
-
-def adapters_to_hf(adapters: Adapters, config: GPTConfig) -> Adapters:
-    """Our LoRA adapters ``{layer: (A, B)}`` (layers named as ``lora.adapters`` names them) as adapters
-    of the same function on ``hf_config(config)``'s model, keyed by its module names.
-
-    Exact in every case: a fused ``qkv`` adapter on Llama's separate q/k/v_proj gives each projection
-    the shared A and its rows of B; per-projection q/k/v adapters on GPT-2's fused ``c_attn`` become
-    one adapter of their summed rank, A stacked and B block-diagonal, so ``B @ A`` is theirs side by side.
-    """
-    q, kv = config.n_head * config.head_dim, config.n_kv_head * config.head_dim
-    rows = {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}
-    llama = _hf_flavour(config) == "llama"
-    out: Adapters = {}
-    joined: dict[str, list[tuple[int, torch.Tensor, torch.Tensor]]] = {}  # c_attn -> (first row, A, B)
-    for name, (a, b) in adapters.items():
-        if name == "lm_head":
-            out["lm_head"] = (a, b)
-            continue
-        _, index, layer = name.split(".", 2)
-        prefix = f"model.layers.{index}." if llama else f"transformer.h.{index}."
-        if layer == "attn.qkv" and not llama:  # GPT-2's c_attn is fused too: one to one
-            out[prefix + "attn.c_attn"] = (a, b)
-        elif layer == "attn.qkv":  # Llama's projections: each the shared A and its rows of B
-            for part, (start, size) in rows.items():
-                out[f"{prefix}self_attn.{part}_proj"] = (a, b[start : start + size])
-        elif layer.startswith("attn.qkv.") and llama:  # the adapter of one projection
-            out[f"{prefix}self_attn.{layer[-1]}_proj"] = (a, b)
-        elif layer.startswith("attn.qkv."):
-            joined.setdefault(prefix + "attn.c_attn", []).append((rows[layer[-1]][0], a, b))
-        else:
-            out[prefix + (_LLAMA_LAYERS if llama else _GPT2_LAYERS)[layer]] = (a, b)
-    for module, parts in joined.items():
-        a = torch.cat([part_a for _, part_a, _ in parts])
-        b = a.new_zeros(q + 2 * kv, a.shape[0])
-        column = 0
-        for first_row, part_a, part_b in parts:
-            b[first_row : first_row + part_b.shape[0], column : column + part_a.shape[0]] = part_b
-            column += part_a.shape[0]
-        out[module] = (a, b)
     return out
