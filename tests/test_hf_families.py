@@ -155,3 +155,16 @@ def test_tensor_parallel_refuses_the_norms_it_does_not_split(tmp_path, name):
     check_tensor_parallel(1, config)
     with pytest.raises(UserInputError, match=r"tensor_parallel=2 does not split a model with qk_norm="):
         check_tensor_parallel(2, config)
+
+
+def test_a_checkpoint_of_the_config_before_it_moved_still_loads(tmp_path, monkeypatch):
+    """GPTConfig lived in models/gpt.py: hyper-parameters pickled under that name load (safe globals)."""
+    from lightning_train.checkpoint.format import load_torch_file
+    from lightning_train.models.config import GPTConfig
+
+    config = GPTConfig(vocab_size=64, n_layer=1, n_head=2, n_embd=16)
+    with monkeypatch.context() as patch:
+        patch.setattr(GPTConfig, "__module__", "lightning_train.models.gpt")
+        torch.save({"config": config}, tmp_path / "old.ckpt")
+    assert b"lightning_train.models.gpt" in (tmp_path / "old.ckpt").read_bytes()
+    assert load_torch_file(tmp_path / "old.ckpt")["config"] == config
