@@ -43,6 +43,7 @@ FAMILIES = {
     "qwen3": ("Qwen3Config", {"head_dim": 24}),  # heads wider than hidden_size / num_attention_heads
     "mistral-window": ("MistralConfig", {"sliding_window": 6}),
     "olmo2": ("Olmo2Config", {}),
+    "phi3": ("Phi3Config", {"pad_token_id": None, "sliding_window": 6}),  # qkv and gate_up fused in HF
     "gemma": ("GemmaConfig", {"head_dim": 24, "tie_word_embeddings": True}),
     "gemma2": ("Gemma2Config", {"head_dim": 24, "sliding_window": 6, "query_pre_attn_scalar": 20,
                                 "attn_logit_softcapping": 5.0, "final_logit_softcapping": 3.0}),
@@ -139,7 +140,7 @@ def test_finetune_from_a_qwen2_folder(tmp_path, lora):
 
 @pytest.mark.parametrize(
     ("model_type", "nearest"),
-    [("gemma3", "gemma3_text"), ("phi3", "llama"), ("stablelm", "llama"), ("gpt_neox", "gpt2")],
+    [("gemma3", "gemma3_text"), ("phimoe", "phi3"), ("stablelm", "llama"), ("gpt_neox", "gpt2")],
 )
 def test_a_refused_family_names_the_nearest_supported_one(tmp_path, model_type, nearest):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type}))
@@ -168,3 +169,10 @@ def test_a_checkpoint_of_the_config_before_it_moved_still_loads(tmp_path, monkey
         torch.save({"config": config}, tmp_path / "old.ckpt")
     assert b"lightning_train.models.gpt" in (tmp_path / "old.ckpt").read_bytes()
     assert load_torch_file(tmp_path / "old.ckpt")["config"] == config
+
+
+def test_a_refused_config_value_says_why_it_matters(tmp_path):
+    config = transformers.Phi3Config(**SMALL | {"pad_token_id": None, "partial_rotary_factor": 0.75})
+    transformers.Phi3ForCausalLM(config).save_pretrained(tmp_path)
+    with pytest.raises(UserInputError, match=r"partial_rotary_factor=0.75 .*: only part of each head"):
+        open_pretrained(tmp_path)

@@ -30,13 +30,14 @@ from lightning_train.errors import UserInputError
 from lightning_train.models.gpt import GPTConfig
 from lightning_train.models.rope import SCALINGS
 
-SUPPORTED = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "olmo2", "gemma", "gemma2", "gemma3_text")
+SUPPORTED = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "olmo2", "gemma", "gemma2", "gemma3_text", "phi3")
 # Families still refused, and the supported one nearest to each (what a user may load instead)
-NEAREST = {"gemma3": "gemma3_text", "phi3": "llama",
+NEAREST = {"gemma3": "gemma3_text", "phimoe": "phi3",
            "gpt_neox": "gpt2", "stablelm": "llama", "granite": "llama", "smollm3": "llama",
            "phi": "gpt2", "falcon": "llama", "olmo": "llama", "cohere": "llama", "starcoder2": "mistral"}
 # why a refused config value matters: the model would compute something else than the checkpoint's
 ROPE_WHY = {"dynamic": "its frequencies change with each sequence's length",
+            "partial": "only part of each head is rotated (partial_rotary_factor)",
             "longrope": "its frequencies switch with the sequence's length (Phi-3's LongRoPE)"}
 StateDict = dict[str, torch.Tensor]
 
@@ -149,6 +150,9 @@ def _rope(hf: dict[str, Any], source: str) -> tuple[float, dict[str, Any] | None
             _reject(source, "sliding_attention rope_type", local["rope_type"], "local layers scale no rope")
         local_theta, rope = local.get("rope_theta"), dict(rope["full_attention"])
     theta = rope.pop("rope_theta", hf.get("rope_theta", 10000.0))
+    partial = rope.pop("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        _reject(source, "partial_rotary_factor", partial, ROPE_WHY["partial"])
     kind = rope.setdefault("rope_type", rope.pop("type", "default"))
     if kind == "default":
         return theta, None, local_theta
@@ -221,28 +225,44 @@ BLOCK_NORMS = {
 }
 
 
-def _llama_layout(config: GPTConfig) -> list[tuple[str, list[str], tuple[str, ...]]]:
-    """Each layer's tensors: our module, the HF modules it holds (q, k, v concatenated into ``qkv``)
-    and which of weight/bias it has. One table for both directions."""
+def _llama_layout(config: GPTConfig) -> list[tuple[list[str], list[str], tuple[str, ...]]]:
+    """Each layer's tensors: our modules, the HF modules holding the same rows (q, k, v concatenated
+    into our ``qkv``; Phi-3's fused ``gate_up_proj`` split into our gate and up) and which of
+    weight/bias they have. One table for both directions."""
     kinds = ("weight", "bias") if config.bias else ("weight",)
     qkv_kinds = ("weight", "bias") if config.bias or config.qkv_bias else kinds
     norm = ("weight",)
-    layout = [(ours, [theirs], norm) for ours, theirs in BLOCK_NORMS[config.block_norms].items()]
-    layout += [("attn.qkv", ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], qkv_kinds),
-              ("attn.proj", ["self_attn.o_proj"], kinds), ("mlp.gate", ["mlp.gate_proj"], kinds),
-              ("mlp.up", ["mlp.up_proj"], kinds), ("mlp.down", ["mlp.down_proj"], kinds)]
+    layout = [([ours], [theirs], norm) for ours, theirs in BLOCK_NORMS[config.block_norms].items()]
+    if config.family == "phi3":
+        layout += [(["attn.qkv"], ["self_attn.qkv_proj"], kinds),
+                   (["mlp.gate", "mlp.up"], ["mlp.gate_up_proj"], kinds)]
+    else:
+        layout += [(["attn.qkv"], ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], qkv_kinds),
+                   (["mlp.gate"], ["mlp.gate_proj"], kinds), (["mlp.up"], ["mlp.up_proj"], kinds)]
+    layout += [(["attn.proj"], ["self_attn.o_proj"], kinds), (["mlp.down"], ["mlp.down_proj"], kinds)]
     if config.qk_norm != "none":
-        layout += [("attn.q_norm", ["self_attn.q_norm"], norm), ("attn.k_norm", ["self_attn.k_norm"], norm)]
+        layout += [([f"attn.{qk}_norm"], [f"self_attn.{qk}_norm"], norm) for qk in "qk"]
     return layout
+
+
+def _regroup(parts: list[torch.Tensor], names: list[str], config: GPTConfig) -> list[torch.Tensor]:
+    """``parts`` concatenated, then split into the rows of the modules ``names``."""
+    tensor = torch.cat(parts) if len(parts) > 1 else parts[0]
+    if len(names) == 1:
+        return [tensor]
+    q, kv = config.n_head * config.head_dim, config.n_kv_head * config.head_dim
+    rows = {"self_attn.q_proj": q, "self_attn.k_proj": kv, "self_attn.v_proj": kv,
+            "mlp.gate": config.intermediate_size, "mlp.up": config.intermediate_size}
+    return [part.contiguous() for part in tensor.split([rows[name] for name in names])]
 
 
 def _convert_llama(w: StateDict, config: GPTConfig, source: str) -> StateDict:
     out = {"embed.weight": w.pop("embed_tokens.weight"), "norm.weight": w.pop("norm.weight")}
     for i in range(config.n_layer):
-        for ours, theirs, kinds in _llama_layout(config):  # q, k, v concatenated; the rest one to one
+        for ours, theirs, kinds in _llama_layout(config):
             for kind in kinds:
-                parts = [w.pop(f"layers.{i}.{name}.{kind}") for name in theirs]
-                out[f"blocks.{i}.{ours}.{kind}"] = torch.cat(parts)
+                parts = _regroup([w.pop(f"layers.{i}.{name}.{kind}") for name in theirs], ours, config)
+                out |= {f"blocks.{i}.{name}.{kind}": part for name, part in zip(ours, parts, strict=True)}
     return _finish(out, w, config, source)
 
 
@@ -295,6 +315,9 @@ def hf_config(config: GPTConfig) -> dict[str, Any]:
     if family in ("qwen2", "qwen3"):
         values |= {"use_sliding_window": config.sliding_window is not None, "layer_types": layer_types,
                    "max_window_layers": config.n_layer}  # layer_types names the windowed layers
+    if family == "phi3":  # no pad id of its own: Phi3Config's default would lie outside a small vocabulary
+        values |= {"original_max_position_embeddings": config.block_size, "pad_token_id": None,
+                   "resid_pdrop": config.dropout, "embd_pdrop": config.dropout}
     if family.startswith("gemma"):
         values |= {"hidden_act": "gelu_pytorch_tanh", "hidden_activation": "gelu_pytorch_tanh",
                    "use_bidirectional_attention": False}
@@ -317,7 +340,7 @@ def hf_config(config: GPTConfig) -> dict[str, Any]:
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                  "qwen3": "Qwen3ForCausalLM", "olmo2": "Olmo2ForCausalLM", "gemma": "GemmaForCausalLM",
-                 "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
+                 "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM"}
 
 
 def hf_flavour(config: GPTConfig) -> str:
@@ -369,12 +392,10 @@ def _gpt2_from_ours(w: StateDict, config: GPTConfig) -> StateDict:
 
 def _llama_from_ours(w: StateDict, config: GPTConfig) -> StateDict:
     out = {"model.embed_tokens.weight": w["embed.weight"], "model.norm.weight": w["norm.weight"]}
-    q, kv = config.n_head * config.head_dim, config.n_kv_head * config.head_dim
     for i in range(config.n_layer):
         for ours, theirs, kinds in _llama_layout(config):
             for kind in kinds:
-                tensor = w[f"blocks.{i}.{ours}.{kind}"]
-                parts = tensor.split([q, kv, kv]) if len(theirs) == 3 else [tensor]
-                for name, part in zip(theirs, parts, strict=True):
-                    out[f"model.layers.{i}.{name}.{kind}"] = part.contiguous()
+                parts = _regroup([w[f"blocks.{i}.{name}.{kind}"] for name in ours], theirs, config)
+                prefix = f"model.layers.{i}."
+                out |= {f"{prefix}{name}.{kind}": part for name, part in zip(theirs, parts, strict=True)}
     return out
