@@ -36,7 +36,8 @@ from lightning_train.data.meta import tokenizer_spec
 from lightning_train.data.tokenizers import ByteTokenizer
 from lightning_train.errors import CorruptCheckpointError, UserInputError
 from lightning_train.models.gpt import GPT, GPTConfig
-from lightning_train.models.hf import config_from_hf, state_dict_from_hf
+from lightning_train.models.hf import config_from_hf
+from lightning_train.models.hf_weights import state_dict_from_hf
 from lightning_train.models.lora import LoRAConfig, apply_lora, merge_lora
 from lightning_train.models.weights import load_into
 

@@ -1,16 +1,16 @@
-"""Hugging Face causal LMs (GPT-2 and Llama families) mapped onto our GPT: config and state-dict names
-and shapes, nothing else (like torchtitan's per-model state-dict adapters; reading the files is
+"""Hugging Face causal LMs mapped onto our GPT: the config here, the state-dict names and shapes in
+``hf_weights``; nothing else (like torchtitan's per-model state-dict adapters; reading the files is
 ``lightning_train.checkpoint.open_pretrained``'s job).
 
 Mapping rather than wrapping: the weights become a plain ``GPT``, so every part of this package
 (FSDP wrapping, LoRA, KV-cache generation, export) works the same on them, and loading needs no
-``transformers`` at all. The two flavours:
+``transformers`` at all. The two flavours (docs/models.md lists the families of the second):
 
 - GPT-2: LayerNorm with bias, learned positions, tanh-GELU MLP. Its ``Conv1D`` layers store
   weights as (in, out), so they are transposed; ``c_attn`` is already a fused q|k|v like ours.
-- Llama (and Mistral without a sliding window): RMSNorm, rotary embeddings in the rotate-half layout
+- Llama, Mistral, Qwen2/3, OLMo-2, Gemma 1/2/3, Phi-3: RMSNorm, rotary embeddings in the rotate-half layout
   (as ours), SwiGLU (``gate_proj``/``up_proj`` are our ``mlp.gate``/``mlp.up``), grouped-query
-  attention. q, k and v are concatenated into our fused ``qkv``.
+  attention, and the options of each family. q, k and v are concatenated into our fused ``qkv``.
 
     >>> hf = {"model_type": "gpt2", "vocab_size": 64, "n_positions": 16, "n_layer": 1, "n_head": 2,
     ...       "n_embd": 8}
@@ -24,10 +24,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import torch
-
 from lightning_train.errors import UserInputError
-from lightning_train.models.gpt import GPTConfig
+from lightning_train.models.config import GPTConfig
 from lightning_train.models.rope import SCALINGS
 
 SUPPORTED = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "olmo2", "gemma", "gemma2", "gemma3_text", "phi3")
@@ -39,7 +37,6 @@ NEAREST = {"gemma3": "gemma3_text", "phimoe": "phi3",
 ROPE_WHY = {"dynamic": "its frequencies change with each sequence's length",
             "partial": "only part of each head is rotated (partial_rotary_factor)",
             "longrope": "its frequencies switch with the sequence's length (Phi-3's LongRoPE)"}
-StateDict = dict[str, torch.Tensor]
 
 
 def config_from_hf(hf: dict[str, Any], source: str) -> GPTConfig:
@@ -53,17 +50,6 @@ def config_from_hf(hf: dict[str, Any], source: str) -> GPTConfig:
             f"architectures are {list(SUPPORTED)}{hint}"
         )
     return gpt2_config(hf, source) if model_type == "gpt2" else llama_config(hf, source)
-
-
-def state_dict_from_hf(weights: StateDict, config: GPTConfig, source: str) -> StateDict:
-    """An HF state dict renamed (GPT-2's Conv1D weights transposed, Llama's q/k/v fused) into our key
-    names; refuses missing and unmapped tensors with one error naming ``source``."""
-    weights = {k.removeprefix("transformer.").removeprefix("model."): v for k, v in weights.items()}
-    convert = _convert_gpt2 if config.position == "learned" else _convert_llama
-    try:
-        return convert(weights, config, source)
-    except KeyError as err:
-        raise UserInputError(f"{source!r} lacks the weight {err.args[0]!r} of its config.json") from err
 
 
 def _reject(source: str, setting: str, value: Any, why: str = "") -> None:
@@ -202,83 +188,6 @@ def _training_settings(hf: dict[str, Any], dropout_key: str) -> dict[str, Any]:
     return {key: value for key, value in values.items() if value is not None}
 
 
-def _convert_gpt2(w: StateDict, config: GPTConfig, source: str) -> StateDict:
-    out = {"embed.weight": w.pop("wte.weight"), "pos_embed.weight": w.pop("wpe.weight")}
-    out |= {"norm.weight": w.pop("ln_f.weight"), "norm.bias": w.pop("ln_f.bias")}
-    names = {"ln_1": "attn_norm", "ln_2": "mlp_norm", "attn.c_attn": "attn.qkv", "attn.c_proj": "attn.proj",
-             "mlp.c_fc": "mlp.up", "mlp.c_proj": "mlp.down"}
-    for i in range(config.n_layer):
-        for theirs, ours in names.items():
-            weight = w.pop(f"h.{i}.{theirs}.weight")
-            out[f"blocks.{i}.{ours}.weight"] = weight if theirs.startswith("ln") else weight.t().contiguous()
-            out[f"blocks.{i}.{ours}.bias"] = w.pop(f"h.{i}.{theirs}.bias")
-        w.pop(f"h.{i}.attn.bias", None), w.pop(f"h.{i}.attn.masked_bias", None)  # old causal-mask buffers
-    return _finish(out, w, config, source)
-
-
-# our norms and HF's, by ``block_norms`` (Llama's "post_attention_layernorm" is before the MLP)
-BLOCK_NORMS = {
-    "pre": {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm"},
-    "post": {"attn_post_norm": "post_attention_layernorm", "mlp_post_norm": "post_feedforward_layernorm"},
-    "both": {"attn_norm": "input_layernorm", "attn_post_norm": "post_attention_layernorm",
-             "mlp_norm": "pre_feedforward_layernorm", "mlp_post_norm": "post_feedforward_layernorm"},
-}
-
-
-def _llama_layout(config: GPTConfig) -> list[tuple[list[str], list[str], tuple[str, ...]]]:
-    """Each layer's tensors: our modules, the HF modules holding the same rows (q, k, v concatenated
-    into our ``qkv``; Phi-3's fused ``gate_up_proj`` split into our gate and up) and which of
-    weight/bias they have. One table for both directions."""
-    kinds = ("weight", "bias") if config.bias else ("weight",)
-    qkv_kinds = ("weight", "bias") if config.bias or config.qkv_bias else kinds
-    norm = ("weight",)
-    layout = [([ours], [theirs], norm) for ours, theirs in BLOCK_NORMS[config.block_norms].items()]
-    if config.family == "phi3":
-        layout += [(["attn.qkv"], ["self_attn.qkv_proj"], kinds),
-                   (["mlp.gate", "mlp.up"], ["mlp.gate_up_proj"], kinds)]
-    else:
-        layout += [(["attn.qkv"], ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], qkv_kinds),
-                   (["mlp.gate"], ["mlp.gate_proj"], kinds), (["mlp.up"], ["mlp.up_proj"], kinds)]
-    layout += [(["attn.proj"], ["self_attn.o_proj"], kinds), (["mlp.down"], ["mlp.down_proj"], kinds)]
-    if config.qk_norm != "none":
-        layout += [([f"attn.{qk}_norm"], [f"self_attn.{qk}_norm"], norm) for qk in "qk"]
-    return layout
-
-
-def _regroup(parts: list[torch.Tensor], names: list[str], config: GPTConfig) -> list[torch.Tensor]:
-    """``parts`` concatenated, then split into the rows of the modules ``names``."""
-    tensor = torch.cat(parts) if len(parts) > 1 else parts[0]
-    if len(names) == 1:
-        return [tensor]
-    q, kv = config.n_head * config.head_dim, config.n_kv_head * config.head_dim
-    rows = {"self_attn.q_proj": q, "self_attn.k_proj": kv, "self_attn.v_proj": kv,
-            "mlp.gate": config.intermediate_size, "mlp.up": config.intermediate_size}
-    return [part.contiguous() for part in tensor.split([rows[name] for name in names])]
-
-
-def _convert_llama(w: StateDict, config: GPTConfig, source: str) -> StateDict:
-    out = {"embed.weight": w.pop("embed_tokens.weight"), "norm.weight": w.pop("norm.weight")}
-    for i in range(config.n_layer):
-        for ours, theirs, kinds in _llama_layout(config):
-            for kind in kinds:
-                parts = _regroup([w.pop(f"layers.{i}.{name}.{kind}") for name in theirs], ours, config)
-                out |= {f"blocks.{i}.{name}.{kind}": part for name, part in zip(ours, parts, strict=True)}
-    return _finish(out, w, config, source)
-
-
-def _finish(out: StateDict, rest: StateDict, config: GPTConfig, source: str) -> StateDict:
-    """Add the untied ``lm_head`` and refuse tensors we did not map (they would be silently dropped)."""
-    head = rest.pop("lm_head.weight", None)
-    if not config.tie_embeddings:
-        if head is None:
-            raise UserInputError(f"{source!r} lacks lm_head.weight, yet tie_word_embeddings is false")
-        out["lm_head.weight"] = head
-    rest = {k: v for k, v in rest.items() if not k.endswith("rotary_emb.inv_freq")}  # derived buffers
-    if rest:
-        raise UserInputError(f"{source!r} holds weights with no place in our GPT: {sorted(rest)[:6]}")
-    return out
-
-
 # ---- the way out: our GPT as an HF GPT2LMHeadModel, or Llama, Mistral, Qwen2 or Qwen3 ------------------
 LLAMA_BLOCK = {"norm": "rmsnorm", "position": "rope", "mlp": "swiglu"}
 GEMMA_BLOCK = {"norm": "offset_rmsnorm", "position": "rope", "mlp": "geglu"}  # Llama's layer names
@@ -360,42 +269,3 @@ def hf_flavour(config: GPTConfig) -> str:
         "(norm='rmsnorm', position='rope', mlp='swiglu') nor GPT2LMHeadModel (norm='layernorm', "
         "position='learned', mlp='gelu', bias=True); export it with --format safetensors"
     )
-
-
-def state_dict_to_hf(weights: StateDict, config: GPTConfig) -> StateDict:
-    """Our state dict in the key names and layouts of ``hf_config(config)``'s architecture (the inverse
-    of ``state_dict_from_hf``; a tied ``lm_head.weight`` is left out, as transformers saves it)."""
-    weights = dict(weights)
-    head = weights.pop("lm_head.weight", None)
-    if hf_flavour(config) == "gpt2":
-        out = _gpt2_from_ours(weights, config)
-    else:
-        out = _llama_from_ours(weights, config)
-    if not config.tie_embeddings:
-        out["lm_head.weight"] = head
-    return out
-
-
-def _gpt2_from_ours(w: StateDict, config: GPTConfig) -> StateDict:
-    out = {"transformer.wte.weight": w["embed.weight"], "transformer.wpe.weight": w["pos_embed.weight"],
-           "transformer.ln_f.weight": w["norm.weight"], "transformer.ln_f.bias": w["norm.bias"]}
-    names = {"ln_1": "attn_norm", "ln_2": "mlp_norm", "attn.c_attn": "attn.qkv", "attn.c_proj": "attn.proj",
-             "mlp.c_fc": "mlp.up", "mlp.c_proj": "mlp.down"}
-    for i in range(config.n_layer):
-        for theirs, ours in names.items():
-            weight = w[f"blocks.{i}.{ours}.weight"]  # Conv1D keeps (in, out): transposed
-            weight = weight if theirs.startswith("ln") else weight.t().contiguous()
-            out[f"transformer.h.{i}.{theirs}.weight"] = weight
-            out[f"transformer.h.{i}.{theirs}.bias"] = w[f"blocks.{i}.{ours}.bias"]
-    return out
-
-
-def _llama_from_ours(w: StateDict, config: GPTConfig) -> StateDict:
-    out = {"model.embed_tokens.weight": w["embed.weight"], "model.norm.weight": w["norm.weight"]}
-    for i in range(config.n_layer):
-        for ours, theirs, kinds in _llama_layout(config):
-            for kind in kinds:
-                parts = _regroup([w[f"blocks.{i}.{name}.{kind}"] for name in ours], theirs, config)
-                prefix = f"model.layers.{i}."
-                out |= {f"{prefix}{name}.{kind}": part for name, part in zip(theirs, parts, strict=True)}
-    return out

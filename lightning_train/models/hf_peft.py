@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from lightning_train.models.gpt import GPTConfig
+from lightning_train.models.config import GPTConfig
 from lightning_train.models.hf import hf_flavour
 
 Adapters = dict[str, tuple[torch.Tensor, torch.Tensor]]  # layer -> (A, B)
