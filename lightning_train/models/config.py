@@ -38,7 +38,8 @@ class GPTConfig:
     intermediate_size: int | None = None  # MLP width; None: 4*n_embd (gelu) or ~8/3*n_embd (swiglu)
     norm: Literal["rmsnorm", "layernorm", "offset_rmsnorm"] = "rmsnorm"  # offset: (1 + weight), Gemma's
     position: Literal["rope", "learned"] = "rope"
-    mlp: Literal["swiglu", "gelu", "geglu"] = "swiglu"  # geglu: gated tanh-GELU (Gemma)
+    mlp: Literal["swiglu", "gelu", "geglu", "gelu_exact"] = "swiglu"  # geglu: gated tanh-GELU (Gemma),
+    # gelu_exact: GELU by erf rather than its tanh approximation (GPT-NeoX/Pythia)
     bias: bool = False
     tie_embeddings: bool = True
     dropout: float = 0.0
@@ -59,6 +60,8 @@ class GPTConfig:
     query_scale_dim: float | None = None  # scores scaled by its -0.5 power; None: head_dim (Gemma 2/3)
     attn_softcap: float | None = None  # scores squashed into (-cap, cap) by cap * tanh(s / cap) (Gemma 2)
     logit_softcap: float | None = None  # the same on the output logits (Gemma 2)
+    rope_fraction: float = 1.0  # the share of each head's dimensions that rope rotates (GPT-NeoX: 0.25)
+    parallel_residual: bool = False  # x + attn(norm(x)) + mlp(norm(x)), one sum (GPT-NeoX)
     family: str | None = None  # the Hugging Face model_type it was read from: export writes the same
 
     def __post_init__(self) -> None:
@@ -71,13 +74,14 @@ class GPTConfig:
             raise UserInputError(f"n_embd={self.n_embd} must be divisible by n_head={self.n_head}")
         if self.n_head % self.n_kv_head:
             raise UserInputError(f"n_head={self.n_head} must be divisible by n_kv_head={self.n_kv_head}")
-        if self.position == "rope" and self.head_dim % 2:  # rotary embeddings rotate pairs of dimensions
+        rotated = f" ({self.rotary_dim} rotated)" if self.rope_fraction < 1 else ""
+        if self.position == "rope" and self.rotary_dim % 2:  # rotary embeddings rotate pairs of dimensions
             raise UserInputError(
-                f"{set_by} gives heads of {self.head_dim} dimensions; position='rope' needs an even number: "
-                "change n_embd, n_head or head_size"
+                f"{set_by} gives heads of {self.head_dim} dimensions{rotated}; position='rope' needs an even "
+                "number: change n_embd, n_head, head_size or rope_fraction"
             )
         if self.intermediate_size is None:
-            if self.mlp == "gelu":
+            if self.mlp in ("gelu", "gelu_exact"):
                 self.intermediate_size = 4 * self.n_embd
             else:  # 2/3 of 4*n_embd keeps the parameter count of a GELU MLP; round up to 32
                 self.intermediate_size = 32 * math.ceil(8 * self.n_embd / 3 / 32)
@@ -85,6 +89,10 @@ class GPTConfig:
     @property
     def head_dim(self) -> int:
         return self.head_size or self.n_embd // self.n_head
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.rope_fraction)
 
     def window(self, layer: int) -> int | None:
         """The sliding window of ``layer``'s attention; None: it sees the whole context."""
@@ -105,8 +113,11 @@ def _check_ranges(config: GPTConfig) -> None:
     for name in ("rope_theta", "norm_eps", "init_std", "local_rope_theta", "query_scale_dim", "attn_softcap",
                  "logit_softcap"):
         value = getattr(config, name)
-        if value is not None and not 0 < value < math.inf:  # None: not used  # also refuses nan
+        if value is not None and not 0 < value < math.inf:  # None: not used; also refuses nan
             raise UserInputError(f"{name}={value} must be positive and finite (default {defaults[name]})")
+    if not 0 < config.rope_fraction <= 1:
+        fraction = config.rope_fraction
+        raise UserInputError(f"rope_fraction={fraction} is outside (0, 1]; 1.0 rotates all of each head")
     for name, hint in get_type_hints(GPTConfig).items():  # norm, position, mlp: Python does not check them
         value = getattr(config, name)
         if get_origin(hint) is Literal and value not in get_args(hint):

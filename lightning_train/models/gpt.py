@@ -57,6 +57,7 @@ class Block(nn.Module):
         self.mlp_norm = make_norm(config) if pre else nn.Identity()
         self.mlp = MLP(config)
         self.mlp_post_norm = make_norm(config) if post else nn.Identity()
+        self.parallel_residual = config.parallel_residual
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(
@@ -65,8 +66,9 @@ class Block(nn.Module):
         rope: RotaryEmbedding | None,
         cache: KVCache | None = None,
     ) -> torch.Tensor:
-        x = x + self.dropout(self.attn_post_norm(self.attn(self.attn_norm(x), rope, cache)))
-        return x + self.dropout(self.mlp_post_norm(self.mlp(self.mlp_norm(x))))
+        attended = x + self.dropout(self.attn_post_norm(self.attn(self.attn_norm(x), rope, cache)))
+        source = x if self.parallel_residual else attended  # parallel: both sublayers read the block's input
+        return attended + self.dropout(self.mlp_post_norm(self.mlp(self.mlp_norm(source))))
 
 
 class GPT(nn.Module):
@@ -96,10 +98,10 @@ class GPT(nn.Module):
         )
         rope = config.position == "rope"
         self.rope = RotaryEmbedding(
-            config.head_dim, config.block_size, config.rope_theta, config.rope_scaling
+            config.rotary_dim, config.block_size, config.rope_theta, config.rope_scaling
         ) if rope else None
         self.local_rope = RotaryEmbedding(  # Gemma 3: sliding-window layers have a rope base of their own
-            config.head_dim, config.block_size, config.local_rope_theta
+            config.rotary_dim, config.block_size, config.local_rope_theta
         ) if rope and config.local_rope_theta else None
         self.dropout = nn.Dropout(config.dropout)
         self.blocks = nn.ModuleList(Block(config, i) for i in range(config.n_layer))
@@ -176,7 +178,7 @@ class GPT(nn.Module):
         # counted from the config, not the parameters: the same for a pipeline stage or a sharded model
         norm = c.n_embd * (2 if c.norm == "layernorm" and c.bias else 1)
         qkv_width = (c.n_head + 2 * c.n_kv_head) * c.head_dim
-        mlp_layers = 2 if c.mlp == "gelu" else 3
+        mlp_layers = 3 if c.mlp in ("swiglu", "geglu") else 2
         block = (c.n_embd * qkv_width + c.n_head * c.head_dim * c.n_embd
                  + mlp_layers * c.n_embd * c.intermediate_size + 2 * norm)
         if c.bias:

@@ -116,8 +116,8 @@ class MLP(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         hidden = config.intermediate_size
-        gated = config.mlp != "gelu"
-        self.activation = F.silu if config.mlp == "swiglu" else gelu_tanh
+        gated = config.mlp in ("swiglu", "geglu")
+        self.activation = {"swiglu": F.silu, "gelu_exact": F.gelu}.get(config.mlp, gelu_tanh)
         self.gate = nn.Linear(config.n_embd, hidden, bias=config.bias) if gated else None
         self.up = nn.Linear(config.n_embd, hidden, bias=config.bias)
         self.down = nn.Linear(hidden, config.n_embd, bias=config.bias)
@@ -125,7 +125,7 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate is not None:
             return self.down(self.activation(self.gate(x)) * self.up(x))
-        return self.down(gelu_tanh(self.up(x)))
+        return self.down(self.activation(self.up(x)))
 
 
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:

@@ -129,7 +129,11 @@ class RotaryEmbedding(nn.Module):
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` of shape (B, heads, T, head_dim) by the angles whose cos/sin are given."""
+    """Rotate ``x`` of shape (B, heads, T, head_dim) by the angles whose cos/sin are given (their first
+    dimensions only where the tables are narrower)."""
     cos, sin = cos.to(x.dtype), sin.to(x.dtype)  # x is bf16/fp16 under autocast
+    if cos.shape[-1] < x.shape[-1]:  # partial rotary (GPT-NeoX): the rest of each head passes as it is
+        rotated, kept = x.split([cos.shape[-1], x.shape[-1] - cos.shape[-1]], dim=-1)
+        return torch.cat([apply_rotary(rotated, cos, sin), kept], dim=-1)
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
