@@ -44,6 +44,8 @@ FAMILIES = {
     "mistral-window": ("MistralConfig", {"sliding_window": 6}),
     "olmo2": ("Olmo2Config", {}),
     "phi3": ("Phi3Config", {"pad_token_id": None, "sliding_window": 6}),  # qkv and gate_up fused in HF
+    "gpt-neox": ("GPTNeoXConfig", {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4,
+                                                       "partial_rotary_factor": 0.25}}),
     "gemma": ("GemmaConfig", {"head_dim": 24, "tie_word_embeddings": True}),
     "gemma2": ("Gemma2Config", {"head_dim": 24, "sliding_window": 6, "query_pre_attn_scalar": 20,
                                 "attn_logit_softcapping": 5.0, "final_logit_softcapping": 3.0}),
@@ -140,7 +142,7 @@ def test_finetune_from_a_qwen2_folder(tmp_path, lora):
 
 @pytest.mark.parametrize(
     ("model_type", "nearest"),
-    [("gemma3", "gemma3_text"), ("phimoe", "phi3"), ("stablelm", "llama"), ("gpt_neox", "gpt2")],
+    [("gemma3", "gemma3_text"), ("phimoe", "phi3"), ("stablelm", "llama"), ("phi", "gpt2")],
 )
 def test_a_refused_family_names_the_nearest_supported_one(tmp_path, model_type, nearest):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type}))

@@ -28,10 +28,11 @@ from lightning_train.errors import UserInputError
 from lightning_train.models.config import GPTConfig
 from lightning_train.models.rope import SCALINGS
 
-SUPPORTED = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "olmo2", "gemma", "gemma2", "gemma3_text", "phi3")
+SUPPORTED = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "olmo2", "gemma", "gemma2", "gemma3_text", "phi3",
+             "gpt_neox")
 # Families still refused, and the supported one nearest to each (what a user may load instead)
 NEAREST = {"gemma3": "gemma3_text", "phimoe": "phi3",
-           "gpt_neox": "gpt2", "stablelm": "llama", "granite": "llama", "smollm3": "llama",
+           "stablelm": "llama", "granite": "llama", "smollm3": "llama",
            "phi": "gpt2", "falcon": "llama", "olmo": "llama", "cohere": "llama", "starcoder2": "mistral"}
 # why a refused config value matters: the model would compute something else than the checkpoint's
 ROPE_WHY = {"dynamic": "its frequencies change with each sequence's length",
@@ -49,7 +50,8 @@ def config_from_hf(hf: dict[str, Any], source: str) -> GPTConfig:
             f"{source!r} holds a {model_type!r} model ({hf.get('architectures')}); supported Hugging Face "
             f"architectures are {list(SUPPORTED)}{hint}"
         )
-    return gpt2_config(hf, source) if model_type == "gpt2" else llama_config(hf, source)
+    readers = {"gpt2": gpt2_config, "gpt_neox": neox_config}
+    return readers.get(model_type, llama_config)(hf, source)
 
 
 def _reject(source: str, setting: str, value: Any, why: str = "") -> None:
@@ -70,6 +72,29 @@ def gpt2_config(hf: dict[str, Any], source: str) -> GPTConfig:
         n_embd=hf["n_embd"], intermediate_size=hf.get("n_inner") or 4 * hf["n_embd"], norm="layernorm",
         position="learned", mlp="gelu", bias=True, tie_embeddings=hf.get("tie_word_embeddings", True),
         norm_eps=hf.get("layer_norm_epsilon", 1e-5), **_training_settings(hf, "resid_pdrop"),
+    )
+
+
+def neox_config(hf: dict[str, Any], source: str) -> GPTConfig:
+    """GPT-NeoX / Pythia: LayerNorm with biases, rope on a fraction of each head, a parallel residual."""
+    activation = hf.get("hidden_act", "gelu")
+    if activation not in ("gelu", "gelu_new", "gelu_pytorch_tanh"):
+        _reject(source, "hidden_act", activation)
+    if not hf.get("attention_bias", True):
+        _reject(source, "attention_bias", False, "its MLP keeps biases; our bias is every layer's or none")
+    rope = hf.get("rope_parameters") or {}
+    if rope.get("rope_type", "default") != "default":
+        _reject(source, "rope_type", rope["rope_type"], "GPT-NeoX's rope is read unscaled here")
+    return GPTConfig(
+        vocab_size=hf["vocab_size"], block_size=hf["max_position_embeddings"],
+        n_layer=hf["num_hidden_layers"],
+        n_head=hf["num_attention_heads"], n_embd=hf["hidden_size"], intermediate_size=hf["intermediate_size"],
+        norm="layernorm", position="rope", mlp="gelu_exact" if activation == "gelu" else "gelu", bias=True,
+        tie_embeddings=hf.get("tie_word_embeddings", False),
+        rope_theta=rope.get("rope_theta", hf.get("rotary_emb_base", 10000.0)),
+        rope_fraction=rope.get("partial_rotary_factor", hf.get("rotary_pct", 1.0)),
+        parallel_residual=hf.get("use_parallel_residual", True), norm_eps=hf.get("layer_norm_eps", 1e-5),
+        **_training_settings(hf, "hidden_dropout"),
     )
 
 
@@ -169,6 +194,8 @@ def derived_family(config: GPTConfig) -> str:
     ``config.family`` says otherwise)."""
     if config.position == "learned":
         return "gpt2"
+    if config.norm == "layernorm":
+        return "gpt_neox"
     if config.norm == "offset_rmsnorm":
         return {"pre": "gemma", "both": "gemma3_text" if config.qk_norm == "head" else "gemma2"}.get(
             config.block_norms, "gemma")
@@ -191,6 +218,7 @@ def _training_settings(hf: dict[str, Any], dropout_key: str) -> dict[str, Any]:
 # ---- the way out: our GPT as an HF GPT2LMHeadModel, or Llama, Mistral, Qwen2 or Qwen3 ------------------
 LLAMA_BLOCK = {"norm": "rmsnorm", "position": "rope", "mlp": "swiglu"}
 GEMMA_BLOCK = {"norm": "offset_rmsnorm", "position": "rope", "mlp": "geglu"}  # Llama's layer names
+NEOX_BLOCK = {"norm": "layernorm", "position": "rope", "bias": True}
 GPT2_BLOCK = {"norm": "layernorm", "position": "learned", "mlp": "gelu", "bias": True}
 
 
@@ -208,6 +236,18 @@ def hf_config(config: GPTConfig) -> dict[str, Any]:
             "activation_function": "gelu_pytorch_tanh", "layer_norm_epsilon": config.norm_eps,
             "resid_pdrop": config.dropout, "embd_pdrop": config.dropout, "attn_pdrop": config.dropout,
         }
+    if flavour == "gpt_neox":
+        return _same_config(config, {
+            "architectures": ["GPTNeoXForCausalLM"], "model_type": "gpt_neox", **common,
+            "hidden_size": config.n_embd, "intermediate_size": config.intermediate_size,
+            "num_hidden_layers": config.n_layer, "num_attention_heads": config.n_head,
+            "hidden_act": "gelu" if config.mlp == "gelu_exact" else "gelu_new",
+            "max_position_embeddings": config.block_size, "layer_norm_eps": config.norm_eps,
+            "use_parallel_residual": config.parallel_residual, "attention_bias": True,
+            "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta,
+                                "partial_rotary_factor": config.rope_fraction},
+            "attention_dropout": config.dropout, "hidden_dropout": config.dropout,
+        })
     family = config.family or derived_family(config)
     values = {
         "architectures": [ARCHITECTURES[family]], "model_type": family, **common,
@@ -237,12 +277,17 @@ def hf_config(config: GPTConfig) -> dict[str, Any]:
     if family == "gemma3_text":  # rope parameters by layer type
         local = {"rope_type": "default", "rope_theta": config.local_rope_theta or config.rope_theta}
         values["rope_parameters"] = {"full_attention": values["rope_parameters"], "sliding_attention": local}
+    return _same_config(config, values)
+
+
+def _same_config(config: GPTConfig, values: dict[str, Any]) -> dict[str, Any]:
+    """``values``, once they are seen to read back as ``config``: else one error naming what is lost."""
     back = dataclasses.asdict(config_from_hf(values, "export"))
     lost = [f"{k}={v!r}" for k, v in dataclasses.asdict(config).items() if k != "family" and back[k] != v]
     if lost:
         raise UserInputError(
-            f"cannot export to Hugging Face as {ARCHITECTURES[family]}: {', '.join(lost)} has no place in "
-            "its config.json; export it with --format safetensors"
+            f"cannot export to Hugging Face as {values['architectures'][0]}: {', '.join(lost)} has no place "
+            "in its config.json; export it with --format safetensors"
         )
     return values
 
@@ -254,7 +299,8 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "
 
 def hf_flavour(config: GPTConfig) -> str:
     ours = dataclasses.asdict(config)
-    for flavour, block in (("llama", LLAMA_BLOCK), ("llama", GEMMA_BLOCK), ("gpt2", GPT2_BLOCK)):
+    blocks = ("llama", LLAMA_BLOCK), ("llama", GEMMA_BLOCK), ("gpt_neox", NEOX_BLOCK), ("gpt2", GPT2_BLOCK)
+    for flavour, block in blocks:
         if all(ours[k] == v for k, v in block.items()):
             if flavour == "gpt2" and config.n_kv_head != config.n_head:
                 raise UserInputError(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from lightning_train.errors import UserInputError
 from lightning_train.models.config import GPTConfig
 from lightning_train.models.hf import hf_flavour
 
@@ -21,6 +22,11 @@ def adapters_to_hf(adapters: Adapters, config: GPTConfig) -> Adapters:
     the shared A and its rows of B; per-projection q/k/v adapters on GPT-2's fused ``c_attn`` become
     one adapter of their summed rank, A stacked and B block-diagonal, so ``B @ A`` is theirs side by side.
     """
+    if hf_flavour(config) == "gpt_neox":
+        raise UserInputError(
+            "export --format peft does not map LoRA adapters onto GPT-NeoX's per-head query_key_value yet; "
+            "export the merged model with --format hf"
+        )
     q, kv = config.n_head * config.head_dim, config.n_kv_head * config.head_dim
     rows = {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}
     llama = hf_flavour(config) == "llama"

@@ -15,8 +15,9 @@ StateDict = dict[str, torch.Tensor]
 def state_dict_from_hf(weights: StateDict, config: GPTConfig, source: str) -> StateDict:
     """An HF state dict renamed (GPT-2's Conv1D weights transposed, Llama's q/k/v fused) into our key
     names; refuses missing and unmapped tensors with one error naming ``source``."""
-    weights = {k.removeprefix("transformer.").removeprefix("model."): v for k, v in weights.items()}
-    convert = _convert_gpt2 if config.position == "learned" else _convert_llama
+    weights = {k.removeprefix("transformer.").removeprefix("model.").removeprefix("gpt_neox."): v
+               for k, v in weights.items()}
+    convert = {"gpt2": _convert_gpt2, "gpt_neox": _convert_neox}.get(hf_flavour(config), _convert_llama)
     try:
         return convert(weights, config, source)
     except KeyError as err:
@@ -86,6 +87,48 @@ def _convert_llama(w: StateDict, config: GPTConfig, source: str) -> StateDict:
     return _finish(out, w, config, source)
 
 
+# GPT-NeoX's layer names; its query_key_value holds each head's q, k and v together
+NEOX_NAMES = {"input_layernorm": "attn_norm", "post_attention_layernorm": "mlp_norm",
+              "attention.query_key_value": "attn.qkv", "attention.dense": "attn.proj",
+              "mlp.dense_h_to_4h": "mlp.up", "mlp.dense_4h_to_h": "mlp.down"}
+
+
+def _neox_qkv(tensor: torch.Tensor, n_head: int, to_ours: bool) -> torch.Tensor:
+    """Rows grouped by head (q, k, v of head 0, then of head 1, ...: GPT-NeoX) to ours (all q, all k,
+    all v), or back."""
+    groups = (n_head, 3) if to_ours else (3, n_head)
+    return tensor.unflatten(0, (*groups, -1)).transpose(0, 1).flatten(0, 2).contiguous()
+
+
+def _convert_neox(w: StateDict, config: GPTConfig, source: str) -> StateDict:
+    out = {"embed.weight": w.pop("embed_in.weight"), "norm.weight": w.pop("final_layer_norm.weight"),
+           "norm.bias": w.pop("final_layer_norm.bias")}
+    for i in range(config.n_layer):
+        for theirs, ours in NEOX_NAMES.items():
+            for kind in ("weight", "bias"):
+                tensor = w.pop(f"layers.{i}.{theirs}.{kind}")
+                qkv = ours == "attn.qkv"
+                out[f"blocks.{i}.{ours}.{kind}"] = _neox_qkv(tensor, config.n_head, True) if qkv else tensor
+        for buffer in ("attention.bias", "attention.masked_bias"):  # causal-mask buffers of older versions
+            w.pop(f"layers.{i}.{buffer}", None)
+    if "embed_out.weight" in w:
+        w["lm_head.weight"] = w.pop("embed_out.weight")
+    return _finish(out, w, config, source)
+
+
+def _neox_from_ours(w: StateDict, config: GPTConfig) -> StateDict:
+    out = {"gpt_neox.embed_in.weight": w["embed.weight"], "gpt_neox.final_layer_norm.bias": w["norm.bias"],
+           "gpt_neox.final_layer_norm.weight": w["norm.weight"]}
+    for i in range(config.n_layer):
+        for theirs, ours in NEOX_NAMES.items():
+            for kind in ("weight", "bias"):
+                tensor = w[f"blocks.{i}.{ours}.{kind}"]
+                qkv = ours == "attn.qkv"
+                tensor = _neox_qkv(tensor, config.n_head, False) if qkv else tensor
+                out[f"gpt_neox.layers.{i}.{theirs}.{kind}"] = tensor
+    return out
+
+
 def _finish(out: StateDict, rest: StateDict, config: GPTConfig, source: str) -> StateDict:
     """Add the untied ``lm_head`` and refuse tensors we did not map (they would be silently dropped)."""
     head = rest.pop("lm_head.weight", None)
@@ -103,12 +146,11 @@ def state_dict_to_hf(weights: StateDict, config: GPTConfig) -> StateDict:
     of ``state_dict_from_hf``; a tied ``lm_head.weight`` is left out, as transformers saves it)."""
     weights = dict(weights)
     head = weights.pop("lm_head.weight", None)
-    if hf_flavour(config) == "gpt2":
-        out = _gpt2_from_ours(weights, config)
-    else:
-        out = _llama_from_ours(weights, config)
+    flavour = hf_flavour(config)
+    write = {"gpt2": _gpt2_from_ours, "gpt_neox": _neox_from_ours}.get(flavour, _llama_from_ours)
+    out = write(weights, config)
     if not config.tie_embeddings:
-        out["lm_head.weight"] = head
+        out["embed_out.weight" if flavour == "gpt_neox" else "lm_head.weight"] = head
     return out
 
 
