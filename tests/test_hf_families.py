@@ -178,3 +178,12 @@ def test_a_refused_config_value_says_why_it_matters(tmp_path):
     transformers.Phi3ForCausalLM(config).save_pretrained(tmp_path)
     with pytest.raises(UserInputError, match=r"partial_rotary_factor=0.75 .*: only part of each head"):
         open_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize("name", ["phi3", "gpt-neox"])
+def test_peft_export_refuses_fused_projections(tmp_path, name):
+    from lightning_train.models.hf_peft import adapters_to_hf
+
+    hf_folder(name, tmp_path)
+    with pytest.raises(UserInputError, match=r"--format peft does not map LoRA adapters .*--format hf"):
+        adapters_to_hf({}, open_pretrained(tmp_path).config)

@@ -22,10 +22,10 @@ def adapters_to_hf(adapters: Adapters, config: GPTConfig) -> Adapters:
     the shared A and its rows of B; per-projection q/k/v adapters on GPT-2's fused ``c_attn`` become
     one adapter of their summed rank, A stacked and B block-diagonal, so ``B @ A`` is theirs side by side.
     """
-    if hf_flavour(config) == "gpt_neox":
+    if hf_flavour(config) == "gpt_neox" or config.family == "phi3":
         raise UserInputError(
-            "export --format peft does not map LoRA adapters onto GPT-NeoX's per-head query_key_value yet; "
-            "export the merged model with --format hf"
+            "export --format peft does not map LoRA adapters onto the fused projections of GPT-NeoX "
+            "(query_key_value) and Phi-3 (qkv_proj, gate_up_proj) yet; export the merged model: --format hf"
         )
     q, kv = config.n_head * config.head_dim, config.n_kv_head * config.head_dim
     rows = {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}
