@@ -88,10 +88,10 @@ def test_unsupported_architecture_is_one_clear_error(tmp_path):
 def test_unsupported_llama_variant_is_named(tmp_path):
     config = transformers.LlamaConfig(
         vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-        rope_scaling={"rope_type": "linear", "factor": 2.0},
+        rope_scaling={"rope_type": "dynamic", "factor": 2.0},
     )
     transformers.LlamaForCausalLM(config).save_pretrained(tmp_path)
-    with pytest.raises(UserInputError, match=r"rope_type='linear' is not supported"):
+    with pytest.raises(UserInputError, match=r"rope_type='dynamic' is not supported .*: its frequencies"):
         FinetuneModule(str(tmp_path))
 
 

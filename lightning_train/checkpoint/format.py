@@ -236,11 +236,13 @@ def recorded_step(checkpoint: Path) -> int | None:
 
 
 # ---- safe loading ---------------------------------------------------------------------------------------
-def safe_globals() -> list[type]:
+def safe_globals() -> list[type | tuple[type, str]]:
     """The only non-tensor types that loading a checkpoint accepts: plain-value containers of
     hyper-parameters (our config dataclasses, paths; Lightning saves its ``hparams`` as a plain dict).
     Rebuilding them runs no code of the file's choosing."""
-    return [GPTConfig, pathlib.Path, pathlib.PosixPath, pathlib.WindowsPath]
+    # (GPTConfig, its name before it moved to models/config.py): checkpoints written before still load
+    return [GPTConfig, (GPTConfig, "lightning_train.models.gpt.GPTConfig"), pathlib.Path, pathlib.PosixPath,
+            pathlib.WindowsPath]
 
 
 def load_torch_file(

@@ -28,7 +28,9 @@ from lightning_train.data.bpe import byte_level_bpe
 from lightning_train.data.tokenizers import ByteTokenizer, HFTokenizer, load_tokenizer
 from lightning_train.errors import UserInputError
 from lightning_train.models.gpt import GPT, GPTConfig
-from lightning_train.models.hf import adapters_to_hf, hf_config, state_dict_to_hf
+from lightning_train.models.hf import hf_config
+from lightning_train.models.hf_peft import adapters_to_hf
+from lightning_train.models.hf_weights import state_dict_to_hf
 from lightning_train.models.lora import LoRAConfig, adapters
 from lightning_train.output_folder import umask
 

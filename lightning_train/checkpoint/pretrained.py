@@ -36,7 +36,8 @@ from lightning_train.data.meta import tokenizer_spec
 from lightning_train.data.tokenizers import ByteTokenizer
 from lightning_train.errors import CorruptCheckpointError, UserInputError
 from lightning_train.models.gpt import GPT, GPTConfig
-from lightning_train.models.hf import config_from_hf, state_dict_from_hf
+from lightning_train.models.hf import config_from_hf
+from lightning_train.models.hf_weights import state_dict_from_hf
 from lightning_train.models.lora import LoRAConfig, apply_lora, merge_lora
 from lightning_train.models.weights import load_into
 
@@ -84,10 +85,12 @@ class Pretrained:
     read_adapted: Callable[[], nn.Module] | None = None
 
     def build(self) -> GPT:
-        """A ``GPT`` with these weights (on the CPU, in eval mode)."""
-        model = GPT(self.config)
-        load_into(model, self.read_state_dict(), self.source)
-        return model.eval()
+        """A ``GPT`` with these weights, in their dtype (on the CPU, in eval mode): a bf16 folder gives
+        a bf16 model, so its export is bf16 too."""
+        model, weights = GPT(self.config), self.read_state_dict()
+        load_into(model, weights, self.source)
+        dtypes = {tensor.dtype for tensor in weights.values() if tensor.is_floating_point()}
+        return (model.to(dtypes.pop()) if len(dtypes) == 1 else model).eval()
 
     def build_adapted(self) -> nn.Module:
         """A LoRA fine-tune's ``GPT`` with its adapters unmerged (on the CPU, in eval mode)."""

@@ -1,16 +1,16 @@
-"""Hugging Face causal LMs (GPT-2 and Llama families) mapped onto our GPT: config and state-dict names
-and shapes, nothing else (like torchtitan's per-model state-dict adapters; reading the files is
+"""Hugging Face causal LMs mapped onto our GPT: the config here, the state-dict names and shapes in
+``hf_weights``; nothing else (like torchtitan's per-model state-dict adapters; reading the files is
 ``lightning_train.checkpoint.open_pretrained``'s job).
 
 Mapping rather than wrapping: the weights become a plain ``GPT``, so every part of this package
 (FSDP wrapping, LoRA, KV-cache generation, export) works the same on them, and loading needs no
-``transformers`` at all. The two flavours:
+``transformers`` at all. The two flavours (docs/models.md lists the families of the second):
 
 - GPT-2: LayerNorm with bias, learned positions, tanh-GELU MLP. Its ``Conv1D`` layers store
   weights as (in, out), so they are transposed; ``c_attn`` is already a fused q|k|v like ours.
-- Llama (and Mistral without a sliding window): RMSNorm, rotary embeddings in the rotate-half layout
+- Llama, Mistral, Qwen2/3, OLMo-2, Gemma 1/2/3, Phi-3: RMSNorm, rotary embeddings in the rotate-half layout
   (as ours), SwiGLU (``gate_proj``/``up_proj`` are our ``mlp.gate``/``mlp.up``), grouped-query
-  attention. q, k and v are concatenated into our fused ``qkv``.
+  attention, and the options of each family. q, k and v are concatenated into our fused ``qkv``.
 
     >>> hf = {"model_type": "gpt2", "vocab_size": 64, "n_positions": 16, "n_layer": 1, "n_head": 2,
     ...       "n_embd": 8}
@@ -24,39 +24,39 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import torch
-
 from lightning_train.errors import UserInputError
-from lightning_train.models.gpt import GPTConfig
+from lightning_train.models.config import GPTConfig
+from lightning_train.models.rope import SCALINGS
 
-SUPPORTED = ("gpt2", "llama", "mistral")
-StateDict = dict[str, torch.Tensor]
+SUPPORTED = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "olmo2", "gemma", "gemma2", "gemma3_text", "phi3",
+             "gpt_neox")
+# Families still refused, and the supported one nearest to each (what a user may load instead)
+NEAREST = {"gemma3": "gemma3_text", "phimoe": "phi3",
+           "stablelm": "llama", "granite": "llama", "smollm3": "llama",
+           "phi": "gpt2", "falcon": "llama", "olmo": "llama", "cohere": "llama", "starcoder2": "mistral"}
+# why a refused config value matters: the model would compute something else than the checkpoint's
+ROPE_WHY = {"dynamic": "its frequencies change with each sequence's length",
+            "partial": "only part of each head is rotated (partial_rotary_factor)",
+            "longrope": "its frequencies switch with the sequence's length (Phi-3's LongRoPE)"}
 
 
 def config_from_hf(hf: dict[str, Any], source: str) -> GPTConfig:
     """Our ``GPTConfig`` for the values of an HF ``config.json`` (``source`` names it in errors)."""
     model_type = hf.get("model_type")
     if model_type not in SUPPORTED:
+        nearest = NEAREST.get(model_type)
+        hint = f"; the nearest supported family is {nearest!r}" if nearest else ""
         raise UserInputError(
             f"{source!r} holds a {model_type!r} model ({hf.get('architectures')}); supported Hugging Face "
-            f"architectures are {list(SUPPORTED)}"
+            f"architectures are {list(SUPPORTED)}{hint}"
         )
-    return gpt2_config(hf, source) if model_type == "gpt2" else llama_config(hf, source)
+    readers = {"gpt2": gpt2_config, "gpt_neox": neox_config}
+    return readers.get(model_type, llama_config)(hf, source)
 
 
-def state_dict_from_hf(weights: StateDict, config: GPTConfig, source: str) -> StateDict:
-    """An HF state dict renamed (GPT-2's Conv1D weights transposed, Llama's q/k/v fused) into our key
-    names; refuses missing and unmapped tensors with one error naming ``source``."""
-    weights = {k.removeprefix("transformer.").removeprefix("model."): v for k, v in weights.items()}
-    convert = _convert_gpt2 if config.position == "learned" else _convert_llama
-    try:
-        return convert(weights, config, source)
-    except KeyError as err:
-        raise UserInputError(f"{source!r} lacks the weight {err.args[0]!r} of its config.json") from err
-
-
-def _reject(source: str, setting: str, value: Any) -> None:
-    raise UserInputError(f"{source!r}: {setting}={value!r} is not supported by lightning_train's GPT")
+def _reject(source: str, setting: str, value: Any, why: str = "") -> None:
+    why = f": {why}" if why else ""
+    raise UserInputError(f"{source!r}: {setting}={value!r} is not supported by lightning_train's GPT{why}")
 
 
 def gpt2_config(hf: dict[str, Any], source: str) -> GPTConfig:
@@ -75,28 +75,137 @@ def gpt2_config(hf: dict[str, Any], source: str) -> GPTConfig:
     )
 
 
-def llama_config(hf: dict[str, Any], source: str) -> GPTConfig:
-    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}  # transformers 5 / 4
-    if rope.get("rope_type", rope.get("type", "default")) != "default":
-        _reject(source, "rope_type", rope.get("rope_type", rope.get("type")))
-    if hf.get("hidden_act", "silu") != "silu":
-        _reject(source, "hidden_act", hf["hidden_act"])
-    if hf.get("attention_bias", False) != hf.get("mlp_bias", False):
-        _reject(source, "attention_bias != mlp_bias", (hf.get("attention_bias"), hf.get("mlp_bias")))
-    if hf.get("sliding_window") and hf["sliding_window"] < hf["max_position_embeddings"]:
-        _reject(source, "sliding_window", hf["sliding_window"])
-    n_embd, n_head = hf["hidden_size"], hf["num_attention_heads"]
-    if hf.get("head_dim", n_embd // n_head) != n_embd // n_head:
-        _reject(source, "head_dim", hf["head_dim"])
+def neox_config(hf: dict[str, Any], source: str) -> GPTConfig:
+    """GPT-NeoX / Pythia: LayerNorm with biases, rope on a fraction of each head, a parallel residual."""
+    activation = hf.get("hidden_act", "gelu")
+    if activation not in ("gelu", "gelu_new", "gelu_pytorch_tanh"):
+        _reject(source, "hidden_act", activation)
+    if not hf.get("attention_bias", True):
+        _reject(source, "attention_bias", False, "its MLP keeps biases; our bias is every layer's or none")
+    rope = hf.get("rope_parameters") or {}
+    if rope.get("rope_type", "default") != "default":
+        _reject(source, "rope_type", rope["rope_type"], "GPT-NeoX's rope is read unscaled here")
     return GPTConfig(
         vocab_size=hf["vocab_size"], block_size=hf["max_position_embeddings"],
-        n_layer=hf["num_hidden_layers"], n_head=n_head, n_kv_head=hf.get("num_key_value_heads") or n_head,
-        n_embd=n_embd,
-        intermediate_size=hf["intermediate_size"], norm="rmsnorm", position="rope", mlp="swiglu",
-        bias=bool(hf.get("attention_bias", False)), tie_embeddings=hf.get("tie_word_embeddings", False),
-        rope_theta=hf.get("rope_theta", rope.get("rope_theta", 10000.0)),
+        n_layer=hf["num_hidden_layers"],
+        n_head=hf["num_attention_heads"], n_embd=hf["hidden_size"], intermediate_size=hf["intermediate_size"],
+        norm="layernorm", position="rope", mlp="gelu_exact" if activation == "gelu" else "gelu", bias=True,
+        tie_embeddings=hf.get("tie_word_embeddings", False),
+        rope_theta=rope.get("rope_theta", hf.get("rotary_emb_base", 10000.0)),
+        rope_fraction=rope.get("partial_rotary_factor", hf.get("rotary_pct", 1.0)),
+        parallel_residual=hf.get("use_parallel_residual", True), norm_eps=hf.get("layer_norm_eps", 1e-5),
+        **_training_settings(hf, "hidden_dropout"),
+    )
+
+
+def llama_config(hf: dict[str, Any], source: str) -> GPTConfig:
+    """Llama, Mistral, Qwen2/3, OLMo-2 and Gemma 1/2/3: one block, with q/k/v biases (Qwen2), q/k norms
+    (per head: Qwen3, Gemma 3; of the projections: OLMo-2), norms after the sublayers (OLMo-2; before
+    and after: Gemma 2/3), a sliding window (Mistral, Qwen2/3 from ``max_window_layers`` on, Gemma
+    2/3's local layers) and Gemma's (1 + w) norms, GeGLU, scaled embeddings and soft-capping."""
+    family = hf["model_type"]
+    gemma = family.startswith("gemma")
+    theta, scaling, local_theta = _rope(hf, source)
+    activation = hf.get("hidden_activation") or hf.get("hidden_act", "silu")
+    if activation != ("gelu_pytorch_tanh" if gemma else "silu"):
+        _reject(source, "hidden_act", activation)
+    bias = bool(hf.get("attention_bias", False))
+    if family in ("llama", "mistral") and bias != hf.get("mlp_bias", False):
+        _reject(source, "attention_bias != mlp_bias", (bias, hf.get("mlp_bias")),
+                "our bias option puts biases on every layer or none")
+    if (family in ("qwen3", "olmo2") or gemma) and bias:
+        _reject(source, "attention_bias", True, "an o_proj bias without MLP biases has no GPTConfig option")
+    if hf.get("use_bidirectional_attention"):
+        _reject(source, "use_bidirectional_attention", True, "a token would see the tokens after it")
+    window, layers = _sliding_window(hf)
+    config = GPTConfig(
+        vocab_size=hf["vocab_size"], block_size=hf["max_position_embeddings"],
+        n_layer=hf["num_hidden_layers"], n_head=hf["num_attention_heads"],
+        n_kv_head=hf.get("num_key_value_heads") or hf["num_attention_heads"], n_embd=hf["hidden_size"],
+        intermediate_size=hf["intermediate_size"], norm="offset_rmsnorm" if gemma else "rmsnorm",
+        position="rope", mlp="geglu" if gemma else "swiglu", bias=bias and family != "qwen2",
+        qkv_bias=family == "qwen2", head_size=_head_size(hf),
+        qk_norm={"qwen3": "head", "gemma3_text": "head", "olmo2": "projection"}.get(family, "none"),
+        block_norms={"olmo2": "post", "gemma2": "both", "gemma3_text": "both"}.get(family, "pre"),
+        tie_embeddings=hf.get("tie_word_embeddings", gemma), rope_theta=theta, rope_scaling=scaling,
+        local_rope_theta=local_theta, sliding_window=window, sliding_window_layers=layers,
+        embed_scale=gemma, query_scale_dim=_query_scale_dim(hf),
+        attn_softcap=hf.get("attn_logit_softcapping"), logit_softcap=hf.get("final_logit_softcapping"),
         norm_eps=hf.get("rms_norm_eps", 1e-6), **_training_settings(hf, "attention_dropout"),
     )
+    # the family is recorded only where the block does not name it (a Mistral without a window)
+    return config if family == derived_family(config) else dataclasses.replace(config, family=family)
+
+
+def _head_size(hf: dict[str, Any]) -> int | None:
+    """``head_dim`` where it is not hidden_size / num_attention_heads (Qwen3, Gemma), else None."""
+    default = hf["hidden_size"] // hf["num_attention_heads"]
+    return None if hf.get("head_dim", default) == default else hf["head_dim"]
+
+
+def _query_scale_dim(hf: dict[str, Any]) -> float | None:
+    """Gemma 2/3's ``query_pre_attn_scalar``, None where it is the head size (the default scale)."""
+    head_dim = _head_size(hf) or hf["hidden_size"] // hf["num_attention_heads"]
+    scalar = hf.get("query_pre_attn_scalar") if hf["model_type"] != "gemma" else None
+    return None if scalar == head_dim else scalar
+
+
+def _rope(hf: dict[str, Any], source: str) -> tuple[float, dict[str, Any] | None, float | None]:
+    """``rope_theta``, the scaling (``rope_parameters`` of transformers 5, ``rope_scaling`` of 4) and
+    the local layers' own base (Gemma 3: parameters by layer type)."""
+    rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    local_theta = None
+    if "full_attention" in rope:
+        local = rope.get("sliding_attention", {})
+        if local.get("rope_type", "default") != "default":
+            _reject(source, "sliding_attention rope_type", local["rope_type"], "local layers scale no rope")
+        local_theta, rope = local.get("rope_theta"), dict(rope["full_attention"])
+    theta = rope.pop("rope_theta", hf.get("rope_theta", 10000.0))
+    partial = rope.pop("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        _reject(source, "partial_rotary_factor", partial, ROPE_WHY["partial"])
+    kind = rope.setdefault("rope_type", rope.pop("type", "default"))
+    if kind == "default":
+        return theta, None, local_theta
+    if kind not in SCALINGS:
+        why = ROPE_WHY.get(kind, f"supported are 'default', {', '.join(SCALINGS)}")
+        _reject(source, "rope_type", kind, why)
+    return theta, rope, local_theta
+
+
+def _sliding_window(hf: dict[str, Any]) -> tuple[int | None, list[int] | None]:
+    """The window and the layers it applies to (None: all): those ``layer_types`` names, else every
+    layer (Mistral), from ``max_window_layers`` on (Qwen2/3), every other (Gemma 2)."""
+    window, n_layer, family = hf.get("sliding_window"), hf["num_hidden_layers"], hf["model_type"]
+    if not window or family == "gemma" or (family in ("qwen2", "qwen3") and not hf.get("use_sliding_window")):
+        return None, None
+    types = hf.get("layer_types")
+    if types:
+        layers = [i for i, kind in enumerate(types) if kind == "sliding_attention"]
+    elif family == "gemma2":
+        layers = list(range(0, n_layer, 2))
+    else:
+        layers = list(range(hf.get("max_window_layers", 0), n_layer))
+    return (window, None) if len(layers) == n_layer else (window, layers)
+
+
+def derived_family(config: GPTConfig) -> str:
+    """The HF family that describes ``config`` by its block alone (export writes it unless
+    ``config.family`` says otherwise)."""
+    if config.position == "learned":
+        return "gpt2"
+    if config.norm == "layernorm":
+        return "gpt_neox"
+    if config.norm == "offset_rmsnorm":
+        return {"pre": "gemma", "both": "gemma3_text" if config.qk_norm == "head" else "gemma2"}.get(
+            config.block_norms, "gemma")
+    if config.qk_norm == "projection" or config.block_norms == "post":
+        return "olmo2"
+    if config.qk_norm == "head":
+        return "qwen3"
+    if config.qkv_bias or config.sliding_window_layers is not None:
+        return "qwen2"
+    return "mistral" if config.sliding_window else "llama"
 
 
 def _training_settings(hf: dict[str, Any], dropout_key: str) -> dict[str, Any]:
@@ -106,57 +215,17 @@ def _training_settings(hf: dict[str, Any], dropout_key: str) -> dict[str, Any]:
     return {key: value for key, value in values.items() if value is not None}
 
 
-def _convert_gpt2(w: StateDict, config: GPTConfig, source: str) -> StateDict:
-    out = {"embed.weight": w.pop("wte.weight"), "pos_embed.weight": w.pop("wpe.weight")}
-    out |= {"norm.weight": w.pop("ln_f.weight"), "norm.bias": w.pop("ln_f.bias")}
-    names = {"ln_1": "attn_norm", "ln_2": "mlp_norm", "attn.c_attn": "attn.qkv", "attn.c_proj": "attn.proj",
-             "mlp.c_fc": "mlp.up", "mlp.c_proj": "mlp.down"}
-    for i in range(config.n_layer):
-        for theirs, ours in names.items():
-            weight = w.pop(f"h.{i}.{theirs}.weight")
-            out[f"blocks.{i}.{ours}.weight"] = weight if theirs.startswith("ln") else weight.t().contiguous()
-            out[f"blocks.{i}.{ours}.bias"] = w.pop(f"h.{i}.{theirs}.bias")
-        w.pop(f"h.{i}.attn.bias", None), w.pop(f"h.{i}.attn.masked_bias", None)  # old causal-mask buffers
-    return _finish(out, w, config, source)
-
-
-def _convert_llama(w: StateDict, config: GPTConfig, source: str) -> StateDict:
-    out = {"embed.weight": w.pop("embed_tokens.weight"), "norm.weight": w.pop("norm.weight")}
-    for i in range(config.n_layer):
-        p = f"layers.{i}."
-        out[f"blocks.{i}.attn_norm.weight"] = w.pop(p + "input_layernorm.weight")
-        out[f"blocks.{i}.mlp_norm.weight"] = w.pop(p + "post_attention_layernorm.weight")
-        sources = {"attn.qkv": ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
-                   "attn.proj": ["self_attn.o_proj"], "mlp.gate": ["mlp.gate_proj"],
-                   "mlp.up": ["mlp.up_proj"], "mlp.down": ["mlp.down_proj"]}
-        for ours, theirs in sources.items():  # q, k, v concatenated; the rest one to one
-            for kind in ("weight", "bias") if config.bias else ("weight",):
-                out[f"blocks.{i}.{ours}.{kind}"] = torch.cat([w.pop(f"{p}{t}.{kind}") for t in theirs])
-    return _finish(out, w, config, source)
-
-
-def _finish(out: StateDict, rest: StateDict, config: GPTConfig, source: str) -> StateDict:
-    """Add the untied ``lm_head`` and refuse tensors we did not map (they would be silently dropped)."""
-    head = rest.pop("lm_head.weight", None)
-    if not config.tie_embeddings:
-        if head is None:
-            raise UserInputError(f"{source!r} lacks lm_head.weight, yet tie_word_embeddings is false")
-        out["lm_head.weight"] = head
-    rest = {k: v for k, v in rest.items() if not k.endswith("rotary_emb.inv_freq")}  # derived buffers
-    if rest:
-        raise UserInputError(f"{source!r} holds weights with no place in our GPT: {sorted(rest)[:6]}")
-    return out
-
-
-# ---- the way out: our GPT as an HF GPT2LMHeadModel or LlamaForCausalLM --------------------------------
+# ---- the way out: our GPT as an HF GPT2LMHeadModel, or Llama, Mistral, Qwen2 or Qwen3 ------------------
 LLAMA_BLOCK = {"norm": "rmsnorm", "position": "rope", "mlp": "swiglu"}
+GEMMA_BLOCK = {"norm": "offset_rmsnorm", "position": "rope", "mlp": "geglu"}  # Llama's layer names
+NEOX_BLOCK = {"norm": "layernorm", "position": "rope", "bias": True}
 GPT2_BLOCK = {"norm": "layernorm", "position": "learned", "mlp": "gelu", "bias": True}
 
 
 def hf_config(config: GPTConfig) -> dict[str, Any]:
     """The HF ``config.json`` values of a model with ``config`` (the inverse of ``config_from_hf``);
     refuses a config neither HF architecture describes with one error naming the settings."""
-    flavour = _hf_flavour(config)
+    flavour = hf_flavour(config)
     common = {"vocab_size": config.vocab_size, "initializer_range": config.init_std,
               "tie_word_embeddings": config.tie_embeddings}
     if flavour == "gpt2":
@@ -167,20 +236,71 @@ def hf_config(config: GPTConfig) -> dict[str, Any]:
             "activation_function": "gelu_pytorch_tanh", "layer_norm_epsilon": config.norm_eps,
             "resid_pdrop": config.dropout, "embd_pdrop": config.dropout, "attn_pdrop": config.dropout,
         }
-    return {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", **common,
+    if flavour == "gpt_neox":
+        return _same_config(config, {
+            "architectures": ["GPTNeoXForCausalLM"], "model_type": "gpt_neox", **common,
+            "hidden_size": config.n_embd, "intermediate_size": config.intermediate_size,
+            "num_hidden_layers": config.n_layer, "num_attention_heads": config.n_head,
+            "hidden_act": "gelu" if config.mlp == "gelu_exact" else "gelu_new",
+            "max_position_embeddings": config.block_size, "layer_norm_eps": config.norm_eps,
+            "use_parallel_residual": config.parallel_residual, "attention_bias": True,
+            "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta,
+                                "partial_rotary_factor": config.rope_fraction},
+            "attention_dropout": config.dropout, "hidden_dropout": config.dropout,
+        })
+    family = config.family or derived_family(config)
+    values = {
+        "architectures": [ARCHITECTURES[family]], "model_type": family, **common,
         "hidden_size": config.n_embd, "intermediate_size": config.intermediate_size,
         "num_hidden_layers": config.n_layer, "num_attention_heads": config.n_head,
         "num_key_value_heads": config.n_kv_head, "head_dim": config.head_dim, "hidden_act": "silu",
         "max_position_embeddings": config.block_size, "rms_norm_eps": config.norm_eps,
-        "rope_theta": config.rope_theta, "attention_bias": config.bias,
-        "mlp_bias": config.bias, "attention_dropout": config.dropout,
+        "rope_theta": config.rope_theta, "attention_dropout": config.dropout,
+        "rope_parameters": {"rope_type": "default", **(config.rope_scaling or {}),
+                            "rope_theta": config.rope_theta},
+        "attention_bias": config.bias, "mlp_bias": config.bias, "sliding_window": config.sliding_window,
     }
+    layer_types = [("sliding" if config.window(i) else "full") + "_attention" for i in range(config.n_layer)]
+    if family in ("qwen2", "qwen3"):
+        values |= {"use_sliding_window": config.sliding_window is not None, "layer_types": layer_types,
+                   "max_window_layers": config.n_layer}  # layer_types names the windowed layers
+    if family == "phi3":  # no pad id of its own: Phi3Config's default would lie outside a small vocabulary
+        values |= {"original_max_position_embeddings": config.block_size, "pad_token_id": None,
+                   "resid_pdrop": config.dropout, "embd_pdrop": config.dropout}
+    if family.startswith("gemma"):
+        values |= {"hidden_act": "gelu_pytorch_tanh", "hidden_activation": "gelu_pytorch_tanh",
+                   "use_bidirectional_attention": False}
+    if family in ("gemma2", "gemma3_text"):
+        values |= {"layer_types": layer_types, "attn_logit_softcapping": config.attn_softcap,
+                   "query_pre_attn_scalar": config.query_scale_dim or config.head_dim,
+                   "final_logit_softcapping": config.logit_softcap}
+    if family == "gemma3_text":  # rope parameters by layer type
+        local = {"rope_type": "default", "rope_theta": config.local_rope_theta or config.rope_theta}
+        values["rope_parameters"] = {"full_attention": values["rope_parameters"], "sliding_attention": local}
+    return _same_config(config, values)
 
 
-def _hf_flavour(config: GPTConfig) -> str:
+def _same_config(config: GPTConfig, values: dict[str, Any]) -> dict[str, Any]:
+    """``values``, once they are seen to read back as ``config``: else one error naming what is lost."""
+    back = dataclasses.asdict(config_from_hf(values, "export"))
+    lost = [f"{k}={v!r}" for k, v in dataclasses.asdict(config).items() if k != "family" and back[k] != v]
+    if lost:
+        raise UserInputError(
+            f"cannot export to Hugging Face as {values['architectures'][0]}: {', '.join(lost)} has no place "
+            "in its config.json; export it with --format safetensors"
+        )
+    return values
+
+
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                 "qwen3": "Qwen3ForCausalLM", "olmo2": "Olmo2ForCausalLM", "gemma": "GemmaForCausalLM",
+                 "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM"}
+
+
+def hf_flavour(config: GPTConfig) -> str:
     ours = dataclasses.asdict(config)
-    for flavour, block in (("llama", LLAMA_BLOCK), ("gpt2", GPT2_BLOCK)):
+    blocks = ("llama", LLAMA_BLOCK), ("llama", GEMMA_BLOCK), ("gpt_neox", NEOX_BLOCK), ("gpt2", GPT2_BLOCK)
+    for flavour, block in blocks:
         if all(ours[k] == v for k, v in block.items()):
             if flavour == "gpt2" and config.n_kv_head != config.n_head:
                 raise UserInputError(
@@ -195,96 +315,3 @@ def _hf_flavour(config: GPTConfig) -> str:
         "(norm='rmsnorm', position='rope', mlp='swiglu') nor GPT2LMHeadModel (norm='layernorm', "
         "position='learned', mlp='gelu', bias=True); export it with --format safetensors"
     )
-
-
-def state_dict_to_hf(weights: StateDict, config: GPTConfig) -> StateDict:
-    """Our state dict in the key names and layouts of ``hf_config(config)``'s architecture (the inverse
-    of ``state_dict_from_hf``; a tied ``lm_head.weight`` is left out, as transformers saves it)."""
-    weights = dict(weights)
-    head = weights.pop("lm_head.weight", None)
-    if _hf_flavour(config) == "gpt2":
-        out = _gpt2_from_ours(weights, config)
-    else:
-        out = _llama_from_ours(weights, config)
-    if not config.tie_embeddings:
-        out["lm_head.weight"] = head
-    return out
-
-
-def _gpt2_from_ours(w: StateDict, config: GPTConfig) -> StateDict:
-    out = {"transformer.wte.weight": w["embed.weight"], "transformer.wpe.weight": w["pos_embed.weight"],
-           "transformer.ln_f.weight": w["norm.weight"], "transformer.ln_f.bias": w["norm.bias"]}
-    names = {"ln_1": "attn_norm", "ln_2": "mlp_norm", "attn.c_attn": "attn.qkv", "attn.c_proj": "attn.proj",
-             "mlp.c_fc": "mlp.up", "mlp.c_proj": "mlp.down"}
-    for i in range(config.n_layer):
-        for theirs, ours in names.items():
-            weight = w[f"blocks.{i}.{ours}.weight"]  # Conv1D keeps (in, out): transposed
-            weight = weight if theirs.startswith("ln") else weight.t().contiguous()
-            out[f"transformer.h.{i}.{theirs}.weight"] = weight
-            out[f"transformer.h.{i}.{theirs}.bias"] = w[f"blocks.{i}.{ours}.bias"]
-    return out
-
-
-def _llama_from_ours(w: StateDict, config: GPTConfig) -> StateDict:
-    out = {"model.embed_tokens.weight": w["embed.weight"], "model.norm.weight": w["norm.weight"]}
-    q, kv = config.n_head * config.head_dim, config.n_kv_head * config.head_dim
-    for i in range(config.n_layer):
-        p, b = f"model.layers.{i}.", f"blocks.{i}."
-        out[p + "input_layernorm.weight"] = w[b + "attn_norm.weight"]
-        out[p + "post_attention_layernorm.weight"] = w[b + "mlp_norm.weight"]
-        for kind in ("weight", "bias") if config.bias else ("weight",):
-            parts = w[f"{b}attn.qkv.{kind}"].split([q, kv, kv])
-            for name, part in zip(("q_proj", "k_proj", "v_proj"), parts, strict=True):
-                out[f"{p}self_attn.{name}.{kind}"] = part.contiguous()
-            out[f"{p}self_attn.o_proj.{kind}"] = w[f"{b}attn.proj.{kind}"]
-            for theirs, ours in (("gate_proj", "gate"), ("up_proj", "up"), ("down_proj", "down")):
-                out[f"{p}mlp.{theirs}.{kind}"] = w[f"{b}mlp.{ours}.{kind}"]
-    return out
-
-
-# ---- LoRA adapters on the exported model, in peft's names --------------------------------------------------
-Adapters = dict[str, tuple[torch.Tensor, torch.Tensor]]  # layer -> (A, B)
-_LLAMA_LAYERS = {"attn.proj": "self_attn.o_proj", "mlp.gate": "mlp.gate_proj", "mlp.up": "mlp.up_proj",
-                 "mlp.down": "mlp.down_proj"}
-_GPT2_LAYERS = {"attn.proj": "attn.c_proj", "mlp.up": "mlp.c_fc", "mlp.down": "mlp.c_proj"}
-
-
-def adapters_to_hf(adapters: Adapters, config: GPTConfig) -> Adapters:
-    """Our LoRA adapters ``{layer: (A, B)}`` (layers named as ``lora.adapters`` names them) as adapters
-    of the same function on ``hf_config(config)``'s model, keyed by its module names.
-
-    Exact in every case: a fused ``qkv`` adapter on Llama's separate q/k/v_proj gives each projection
-    the shared A and its rows of B; per-projection q/k/v adapters on GPT-2's fused ``c_attn`` become
-    one adapter of their summed rank, A stacked and B block-diagonal, so ``B @ A`` is theirs side by side.
-    """
-    q, kv = config.n_head * config.head_dim, config.n_kv_head * config.head_dim
-    rows = {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}
-    llama = _hf_flavour(config) == "llama"
-    out: Adapters = {}
-    joined: dict[str, list[tuple[int, torch.Tensor, torch.Tensor]]] = {}  # c_attn -> (first row, A, B)
-    for name, (a, b) in adapters.items():
-        if name == "lm_head":
-            out["lm_head"] = (a, b)
-            continue
-        _, index, layer = name.split(".", 2)
-        prefix = f"model.layers.{index}." if llama else f"transformer.h.{index}."
-        if layer == "attn.qkv" and not llama:  # GPT-2's c_attn is fused too: one to one
-            out[prefix + "attn.c_attn"] = (a, b)
-        elif layer == "attn.qkv":  # Llama's projections: each the shared A and its rows of B
-            for part, (start, size) in rows.items():
-                out[f"{prefix}self_attn.{part}_proj"] = (a, b[start : start + size])
-        elif layer.startswith("attn.qkv.") and llama:  # the adapter of one projection
-            out[f"{prefix}self_attn.{layer[-1]}_proj"] = (a, b)
-        elif layer.startswith("attn.qkv."):
-            joined.setdefault(prefix + "attn.c_attn", []).append((rows[layer[-1]][0], a, b))
-        else:
-            out[prefix + (_LLAMA_LAYERS if llama else _GPT2_LAYERS)[layer]] = (a, b)
-    for module, parts in joined.items():
-        a = torch.cat([part_a for _, part_a, _ in parts])
-        b = a.new_zeros(q + 2 * kv, a.shape[0])
-        column = 0
-        for first_row, part_a, part_b in parts:
-            b[first_row : first_row + part_b.shape[0], column : column + part_a.shape[0]] = part_b
-            column += part_a.shape[0]
-        out[module] = (a, b)
-    return out

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from lightning_train.errors import UserInputError
-from lightning_train.models.gpt import Attention
+from lightning_train.models.layers import Attention
 
 ADAPTER = "default"
 PROJECTIONS = ("q", "k", "v")  # the parts of the fused qkv layer, in its output order

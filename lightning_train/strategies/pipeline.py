@@ -205,7 +205,8 @@ def stage_model(model: nn.Module, blocks: Sequence[int], first: bool, last: bool
     stage = type(model).__new__(type(model))
     nn.Module.__init__(stage)  # hooks and children of its own (FSDP and TP register hooks on a stage)
     stage.config, stage.training = model.config, model.training
-    for name in ("embed", "pos_embed", "rope", "dropout", "blocks", "norm", "lm_head"):  # GPT's children
+    children = ("embed", "pos_embed", "rope", "local_rope", "dropout", "blocks", "norm", "lm_head")  # GPT's
+    for name in children:
         setattr(stage, name, getattr(model, name))
     kept = nn.ModuleList()
     for index in blocks:

@@ -68,6 +68,16 @@ def check_tensor_parallel(tensor_parallel: int, config: Any) -> None:
             f"tensor_parallel={tensor_parallel} supports rotary positions only (position='rope'), "
             f"not position={config.position!r}; use tensor_parallel=1 for learned positions"
         )
+    # a q/k norm's weight is used by every rank on its own heads only (its gradient would need a sum the
+    # plan does not do); norms after the sublayers sit where the plan expects sequence-sharded inputs
+    plain = {"qk_norm": "none", "block_norms": "pre"}
+    settings = ", ".join(f"{name}={getattr(config, name)!r}" for name, value in plain.items()
+                         if getattr(config, name, value) != value)
+    if settings:
+        raise UserInputError(
+            f"tensor_parallel={tensor_parallel} does not split a model with {settings} yet; use "
+            "tensor_parallel=1 (fsdp and pipeline_parallel shard it)"
+        )
 
 
 class HeadParallelQKV(ParallelStyle):
