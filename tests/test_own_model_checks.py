@@ -106,3 +106,15 @@ def test_a_stage_computes_what_the_whole_model_does():
     torch.testing.assert_close(last(first(ids)), model(ids).logits, rtol=0, atol=0)
     names = [name for stage in (first, last) for name, _ in stage.named_parameters()]
     assert names == [name for name, _ in model.named_parameters()]  # the whole model's names, each once
+
+
+def test_export_and_generate_of_a_checkpoint_of_ones_own_model_say_what_they_need(tmp_path):
+    """A checkpoint of a LightningModule holding a transformers model: one error naming the cause (not the
+    GPT) and the way out (save_pretrained from the loaded module), not a list of missing GPT weights."""
+    from lightning_train.checkpoint import open_pretrained
+
+    state = {f"model.{name}": tensor for name, tensor in tiny_llama().state_dict().items()}
+    torch.save({"state_dict": state, "hyper_parameters": {}}, tmp_path / "own.ckpt")
+    message = r"holds a model of its own, not this package's GPT \(its weights are named like 'model.model"
+    with pytest.raises(UserInputError, match=message + ".*save_pretrained"):
+        open_pretrained(str(tmp_path / "own.ckpt"), allow_pickle=True)
