@@ -9,7 +9,8 @@ import pytest
 import torch
 import yaml
 
-from tests.test_strategy_multiprocess import _fit
+from tests.conftest import run_cli
+from tests.test_strategy_multiprocess import ENV, _fit
 
 pytestmark = pytest.mark.slow
 STRATEGY = "--trainer.strategy=lightning_train.strategies.ParallelStrategy"
@@ -107,3 +108,19 @@ def test_a_plan_given_in_yaml_is_applied(tmp_path, pretrain_single):
     assert sorted(reports[0]["tp_split_params"]) == sorted(
         f"model.model.layers.{i}.mlp.{name}_proj.weight" for i in range(4) for name in ("gate", "up", "down")
     )
+
+
+def test_a_plan_pattern_matching_nothing_is_one_line_exit_2(tmp_path):
+    """Checked on the ranks once the model is built; the CLI prints the one error once and exits 2."""
+    strategy = {"class_path": "lightning_train.strategies.ParallelStrategy",
+                "init_args": {"tensor_parallel": 2,
+                              "tensor_parallel_plan": {"model.layer.*.mlp.up_proj": "colwise"}}}
+    done = run_cli(
+        "fit", "--config", _config(tmp_path, PRETRAIN, strategy), "--trainer.devices=2",
+        f"--trainer.default_root_dir={tmp_path / 'bad'}", cwd=tmp_path, env=ENV, timeout=120,
+    )
+    assert done.returncode == 2, done.stderr[-3000:]
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, done.stderr[-3000:]
+    assert "tensor_parallel_plan pattern 'model.layer.*.mlp.up_proj' matches no module" in errors[0]
+    assert "Traceback" not in done.stderr
