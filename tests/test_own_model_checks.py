@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_train import GPT, GPTConfig
+from lightning_train import GPT, GPTConfig, PretrainModule
 from lightning_train.errors import UserInputError
 from lightning_train.strategies.layers import decoder_layers
 from lightning_train.strategies.parallelize import check_model_layout
@@ -19,7 +19,7 @@ def _own(model: nn.Module | None = None) -> OwnLlamaModule:
 
 
 def _check(module: nn.Module, tp: int = 1, pp: int = 1, plan: dict | None = None, **kwargs) -> None:
-    check_model_layout(module, 8, tp, pp, 1, "1F1B", None, 2 * pp, 1, False, plan, **kwargs)
+    check_model_layout(module, 4 * pp, tp, pp, 1, "1F1B", None, 2 * pp, 1, False, plan, **kwargs)
 
 
 class Blocks(nn.Module):  # a model of one's own: repeated blocks in a ModuleList, no transformers
@@ -118,3 +118,14 @@ def test_export_and_generate_of_a_checkpoint_of_ones_own_model_say_what_they_nee
     message = r"holds a model of its own, not this package's GPT \(its weights are named like 'model.model"
     with pytest.raises(UserInputError, match=message + ".*save_pretrained"):
         open_pretrained(str(tmp_path / "own.ckpt"), allow_pickle=True)
+
+
+def test_a_build_model_of_ones_own_is_not_checked_against_the_unused_gpt_config():
+    """Before it is built, a PretrainModule subclass's model is not the GPT its config describes: 8 stages
+    are not refused for the default config's 4 layers (the model is checked once built)."""
+    from tests.helpers.hf_llama import LlamaPretrain
+
+    _check(LlamaPretrain(), pp=8)
+    message = "8 pipeline stages need at least 8 blocks; the model has n_layer=4"
+    with pytest.raises(UserInputError, match=message):  # PretrainModule's own GPT: checked before it is built
+        _check(PretrainModule(), pp=8)

@@ -129,16 +129,19 @@ def check_model_layout(
 ) -> None:
     """Refuse a model (a LightningModule holding a GPT or a model of its own, built or not yet), or a
     per-device batch of ``batch_size`` sequences, that the layout cannot split. Before the model is built
-    only a GPT's config can be checked; a model of one's own is checked once built."""
+    only the config ``PretrainModule.build_model`` builds the GPT from can be checked (a subclass's
+    ``build_model`` may build another model); a model of one's own is checked once built."""
     model = find_transformer(module)
-    config = model.config if model is not None else getattr(module, "config", None)
     built = any(True for _ in module.parameters())
     own = built and model is None  # a model of one's own: its layers and plan are checked, not a config
+    build = getattr(type(module), "build_model", None)
+    described = built or getattr(build, "__qualname__", "") == "PretrainModule.build_model"
+    config = model.config if model is not None else getattr(module, "config", None) if described else None
     if not own and plan is not None and built:
         raise UserInputError(
             "tensor_parallel_plan is for a model of one's own; the GPT has its own plan: remove the option"
         )
-    if not own and (built or hasattr(config, "n_head")):
+    if not own and described:
         check_tensor_parallel(tensor_parallel, config)
     n_layer = getattr(config, "n_layer", 0)
     if own:
@@ -148,15 +151,16 @@ def check_model_layout(
         if pipeline_parallel > 1:
             n_layer = len(getattr(*layer_list(root, layer_classes)))
             base_model(root)  # refuses a model CausalLMStage cannot split
-    if pipeline_parallel > 1 and (built or hasattr(config, "n_layer")):
+    if pipeline_parallel > 1:
         compiled = bool(getattr(module, "hparams", {}).get("compile")) or (
             built and is_compiled(model_root(module, decoder_layers(module, layer_classes)))
         )
         check_zero_bubble(
-            schedule, data_parallel, tensor_parallel, bool(getattr(config, "tie_embeddings", False)),
+            schedule, data_parallel, tensor_parallel, not own and bool(getattr(config, "tie_embeddings", 0)),
             activation_checkpointing, compiled,
         )
-        check_stages(pipeline_parallel * virtual_stages, n_layer, split_points)
+        if built or described:
+            check_stages(pipeline_parallel * virtual_stages, n_layer, split_points)
         check_microbatches(batch_size, microbatches)
     if not built:
         return  # not built yet (configure_model builds it)
