@@ -9,7 +9,7 @@ recomputes, and a pipeline splits.
 4. the longest ``nn.ModuleList`` of modules of one class (the repeated blocks of most models).
 
 ``model_root`` is the module that holds them and the rest of the network (embeddings, final norm,
-head): FSDP2's root unit, the module a pipeline splits.
+head): FSDP2's root unit, the module a pipeline splits (``layer_stages.py``).
 """
 
 from __future__ import annotations
@@ -51,22 +51,6 @@ def decoder_layers(model: nn.Module, layer_classes: Sequence[str] | None = None)
         if layers:
             return layers
     return list(max(_repeated_lists(model), key=len, default=[]))
-
-
-def layer_list(model: nn.Module, layer_classes: Sequence[str] | None = None) -> tuple[nn.Module, str]:
-    """(owner, attribute): the ``nn.ModuleList`` holding every decoder layer of ``model``, in order (a
-    pipeline cuts it into stages); one clear error where the layers are not one such list."""
-    layers = decoder_layers(model, layer_classes)
-    for owner in model.modules():
-        for name, child in owner.named_children():
-            if isinstance(child, nn.ModuleList) and len(child) == len(layers) and all(
-                a is b for a, b in zip(child, layers, strict=True)
-            ):
-                return owner, name
-    raise UserInputError(
-        f"pipeline_parallel needs the decoder layers of {type(model).__name__} in one nn.ModuleList; found "
-        f"{len(layers)} layers that are not (name them with the strategy's layer_classes)"
-    )
 
 
 def model_root(module: nn.Module, layers: Sequence[nn.Module]) -> nn.Module:

@@ -26,7 +26,7 @@ from torch.nn.parallel import DistributedDataParallel
 from lightning_train._compat import checkpoint_activations, ddp_comm_hook_name, is_compiled
 from lightning_train.errors import UserInputError
 from lightning_train.strategies.layer_stages import CausalLMStage, base_model, split_layers
-from lightning_train.strategies.layers import decoder_layers, find_transformer, layer_list, model_root
+from lightning_train.strategies.layers import decoder_layers, find_transformer, model_root
 from lightning_train.strategies.pipeline import (
     check_microbatches,
     check_pipeline,
@@ -149,8 +149,7 @@ def check_model_layout(
         if tensor_parallel > 1:
             check_plan(root, tensor_parallel_plan(root, plan, tensor_parallel), tensor_parallel)
         if pipeline_parallel > 1:
-            n_layer = len(getattr(*layer_list(root, layer_classes)))
-            base_model(root)  # refuses a model CausalLMStage cannot split
+            n_layer = len(base_model(root)[1].layers)  # refuses a model CausalLMStage cannot split
     if pipeline_parallel > 1:
         compiled = bool(getattr(module, "hparams", {}).get("compile")) or (
             built and is_compiled(model_root(module, decoder_layers(module, layer_classes)))
