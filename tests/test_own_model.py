@@ -3,13 +3,17 @@ LightningModule, or returned by ``PretrainModule.build_model``, gets per-layer F
 (the built-in Llama plan or one given in YAML) and pipeline parallelism, on 2 real gloo ranks launched
 through the CLI, each matching one process's losses; bad plans are one clear error."""
 
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
 
-from tests.conftest import run_cli
+from tests.conftest import REPO, cli_env, run_cli
 from tests.test_strategy_multiprocess import ENV, _fit
 
 pytestmark = pytest.mark.slow
@@ -124,3 +128,50 @@ def test_a_plan_pattern_matching_nothing_is_one_line_exit_2(tmp_path):
     assert len(errors) == 1, done.stderr[-3000:]
     assert "tensor_parallel_plan pattern 'model.layer.*.mlp.up_proj' matches no module" in errors[0]
     assert "Traceback" not in done.stderr
+
+
+def _tied_plans_worker(out_dir: str) -> None:
+    """Run by torchrun on 2 gloo ranks: a Llama with tied embeddings laid out by the built-in plan (both
+    split by vocabulary) and by an MLP-only plan (both replicated): its logits and whether the tie held."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from lightning_train._compat import end_distributed_process
+    from lightning_train.strategies.plans import apply_plan, builtin_plan
+    from tests.helpers.hf_llama import tiny_llama
+
+    torch.distributed.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    mlp = {f"model.layers.*.mlp.{name}_proj": style
+           for name, style in (("gate", "colwise"), ("up", "colwise"), ("down", "rowwise"))}
+    report = {}
+    for name, plan in (("builtin", None), ("mlp", mlp)):
+        torch.manual_seed(0)
+        model = tiny_llama()
+        model.lm_head.weight = model.model.embed_tokens.weight
+        ids = torch.randint(0, 64, (2, 8))
+        expected = model(ids).logits
+        apply_plan(model, mesh, plan or builtin_plan(model), loss_parallel=False)
+        error = (model(ids).logits - expected).abs().max().item()
+        report[name] = {"tied": model.lm_head.weight is model.model.embed_tokens.weight, "error": error}
+    Path(out_dir, f"rank{torch.distributed.get_rank()}.json").write_text(json.dumps(report))
+    torch.distributed.barrier()
+    end_distributed_process(0)
+
+
+def test_tied_embeddings_stay_tied_under_a_plan(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+         "-m", "tests.test_own_model", str(tmp_path)],
+        cwd=REPO, env=cli_env(), capture_output=True, text=True, timeout=180,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    for rank in (0, 1):
+        report = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        for plan in ("builtin", "mlp"):
+            assert report[plan]["tied"], plan
+            assert report[plan]["error"] < 1e-5, plan
+
+
+if __name__ == "__main__":  # the tied-plans worker, started by torchrun
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    _tied_plans_worker(sys.argv[1])

@@ -118,9 +118,9 @@ def apply_plan(model: nn.Module, tp_mesh: DeviceMesh, plan: dict[str, str], loss
         for name, style in resolve_plan(model, plan, strict=False).items()
     }
     parallelize_module(model, tp_mesh, styles)
-    for owner, attribute, source in ties:
-        setattr(owner, attribute, source())
     _replicate_the_rest(model, tp_mesh)
+    for owner, attribute, source in ties:  # after both: each made a Parameter of its own
+        setattr(owner, attribute, source())
 
 
 def _replicate_the_rest(model: nn.Module, tp_mesh: DeviceMesh) -> None:
@@ -161,7 +161,7 @@ def _style(style: str, module: nn.Module, loss_parallel: bool) -> ParallelStyle:
 
 def _ties(model: nn.Module) -> list[tuple[nn.Module, str, Any]]:
     """(module, parameter name, the first holder's parameter, read later) of each parameter another
-    module holds too: each style makes a Parameter of its own, so a tie is restored after."""
+    module holds too (an embedding and its tied head), to be tied again once laid out."""
     first: dict[int, tuple[nn.Module, str]] = {}
     ties = []
     for module in model.modules():
