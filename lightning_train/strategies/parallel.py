@@ -114,7 +114,7 @@ class ParallelStrategy(ProcessGroup, ShardedCheckpoints, ModelParallelStep, pl.s
         reduce_dtype: FSDP gradient reduce-scatter dtype under mixed precision (``"float32"`` default).
         memory_budget_gb: per-device memory ``"auto"`` plans with (default: the device's memory).
         tensor_parallel_plan: for a model of one's own (not the GPT): module-name patterns to ``colwise``,
-            ``rowwise``, ``sequence_parallel`` or ``head`` (``plans.py``); None: the built-in plan of a
+            ``rowwise`` or ``head`` (``plans.py``); None: the built-in plan of a
             transformers Llama-like model.
         layer_classes: class names of the model's decoder layers (FSDP units, checkpointed, split by a
             pipeline); None: found from the model (``layers.decoder_layers``).

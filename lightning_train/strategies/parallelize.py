@@ -185,8 +185,8 @@ def tensor_parallel_plan(
     if plan is None:
         raise UserInputError(
             f"tensor_parallel={tensor_parallel} has no built-in plan for {type(model).__name__}; give the "
-            "strategy a tensor_parallel_plan (module-name patterns to colwise, rowwise, sequence_parallel or "
-            "head: docs/strategies.md)"
+            "strategy a tensor_parallel_plan (module-name patterns to colwise, rowwise or head: "
+            "docs/strategies.md)"
         )
     return plan
 

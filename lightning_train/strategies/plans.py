@@ -7,7 +7,6 @@ Styles (``STYLES``), each a ``torch.distributed.tensor.parallel`` style:
 
 - ``colwise``: a Linear's output features split (its input whole, its output this rank's slice);
 - ``rowwise``: a Linear's input features split, its output summed whole; an Embedding's vocabulary split;
-- ``sequence_parallel``: a norm (or any module) run on this rank's part of the sequence;
 - ``head``: the output head, split by vocabulary: its logits stay sharded for the vocab-parallel loss
   (``ParallelStrategy(loss_parallel=True)``, the default), or are gathered whole.
 
@@ -31,13 +30,14 @@ from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
     RowwiseParallel,
-    SequenceParallel,
     parallelize_module,
 )
 
 from lightning_train.errors import UserInputError
 
-STYLES = ("colwise", "rowwise", "sequence_parallel", "head")
+# no sequence-parallel style: it holds activations sharded along the sequence between modules, which the
+# model's own code between them (residuals, rotary positions, masks) would have to take as DTensors
+STYLES = ("colwise", "rowwise", "head")
 LLAMA_LIKE = ("llama", "mistral", "qwen2")  # transformers' model_type of the families builtin_plan covers
 
 
@@ -89,7 +89,7 @@ def check_plan(model: nn.Module, plan: dict[str, str], tensor_parallel: int) -> 
     for name, style in resolve_plan(model, plan).items():
         module = modules[name]
         weight = getattr(module, "weight", None)
-        if style == "sequence_parallel" or weight is None:
+        if weight is None:
             continue
         dim = 1 if style == "rowwise" and not isinstance(module, nn.Embedding) else 0
         size = weight.shape[dim]
@@ -152,8 +152,6 @@ def _style(style: str, module: nn.Module, loss_parallel: bool) -> ParallelStyle:
     if style == "rowwise":  # token ids come whole to an embedding
         embedding = isinstance(module, nn.Embedding)
         return RowwiseParallel(input_layouts=Replicate()) if embedding else RowwiseParallel()
-    if style == "sequence_parallel":
-        return SequenceParallel()
     if loss_parallel:
         return ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
     return ColwiseParallel(output_layouts=Replicate())
