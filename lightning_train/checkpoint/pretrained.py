@@ -185,6 +185,21 @@ def _sharded_reader(path: Path) -> Callable[[nn.Module], StateDict]:
     return read_shards
 
 
+def _refuse_another_model(source: str, names: list[str]) -> None:
+    """A checkpoint whose module holds no GPT (weights named ``blocks.<i>...``) is refused by name: its
+    model, a user's own, is not one these tools can build."""
+    if any(part == "blocks" for name in names for part in name.split(".")[:3]):
+        return
+    example = next((name for name in names if "." in name), names[0] if names else "nothing")
+    raise UserInputError(
+        f"checkpoint {source!r} holds a model of its own, not this package's GPT (its weights are named "
+        f"like {example!r}, not model.blocks.<i>...), so export, generate and init_from cannot rebuild it; "
+        "load it into its LightningModule (YourModule.load_from_checkpoint, or a sharded folder with "
+        "lightning_train.checkpoint.load_sharded_model_state) and save the model from there: a transformers "
+        "model with module.model.save_pretrained(folder), which from_pretrained and init_from then read"
+    )
+
+
 def _from_lightning_checkpoint(
     path: Path,
     checkpoint: dict[str, Any],
@@ -192,6 +207,12 @@ def _from_lightning_checkpoint(
     read_shards: Callable[[nn.Module], StateDict] | None = None,
 ) -> Pretrained:
     source = str(path)
+    if read_shards is not None:
+        from lightning_train.checkpoint.sharded import checkpoint_tensor_shapes
+
+        _refuse_another_model(source, list(checkpoint_tensor_shapes(path)))
+    else:
+        _refuse_another_model(source, list(checkpoint.get("state_dict", {})))
     hparams = checkpoint.get("hyper_parameters", {})
     saved = hparams.get("config")
     config = config or (GPTConfig(**saved) if isinstance(saved, dict) else saved)

@@ -201,7 +201,8 @@ class PretrainModule(L.LightningModule):
             )
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids)
+        output = self.model(input_ids)
+        return getattr(output, "logits", output)  # a transformers model (build_model's) returns an object
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         pipeline = self._pipeline()

@@ -113,6 +113,11 @@ class ParallelStrategy(ProcessGroup, ShardedCheckpoints, ModelParallelStep, pl.s
             inside each node.
         reduce_dtype: FSDP gradient reduce-scatter dtype under mixed precision (``"float32"`` default).
         memory_budget_gb: per-device memory ``"auto"`` plans with (default: the device's memory).
+        tensor_parallel_plan: for a model of one's own (not the GPT): module-name patterns to ``colwise``,
+            ``rowwise`` or ``head`` (``plans.py``); None: the built-in plan of a
+            transformers Llama-like model.
+        layer_classes: class names of the model's decoder layers (FSDP units, checkpointed, split by a
+            pipeline); None: found from the model (``layers.decoder_layers``).
         process_group_backend, timeout: passed to ``torch.distributed.init_process_group``.
 
     Example (one CPU process: tensor_parallel=1 is DataParallelStrategy under another name):
@@ -148,6 +153,8 @@ class ParallelStrategy(ProcessGroup, ShardedCheckpoints, ModelParallelStep, pl.s
         replicate_size: int | Literal["nodes"] = 1,
         reduce_dtype: Literal["float32", "bfloat16"] = "float32",
         memory_budget_gb: float | None = None,
+        tensor_parallel_plan: dict[str, str] | None = None,
+        layer_classes: list[str] | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
     ) -> None:
@@ -169,6 +176,7 @@ class ParallelStrategy(ProcessGroup, ShardedCheckpoints, ModelParallelStep, pl.s
         self.replicate_option = replicate_size  # read through the replicate_size property
         self.reduce_dtype = getattr(torch, reduce_dtype)
         self.memory_budget_gb = memory_budget_gb
+        self.tensor_parallel_plan, self.layer_classes = tensor_parallel_plan, layer_classes
         self.layout_plan: LayoutPlan | None = None  # tensor_parallel="auto": set by _plan_layout
         self.auto_layout = tensor_parallel == "auto"
         self._given = (tensor_parallel, pipeline_parallel, sharding)  # checked in _configure_launcher
@@ -258,7 +266,8 @@ class ParallelStrategy(ProcessGroup, ShardedCheckpoints, ModelParallelStep, pl.s
             check_model_layout(
                 module, getattr(datamodule, "batch_size", None), self.tensor_parallel, self.pipeline_parallel,
                 self.virtual_stages, self.pipeline_schedule, self.pipeline_split_points, self.microbatches,
-                self.data_parallel_size, self.activation_checkpointing,
+                self.data_parallel_size, self.activation_checkpointing, self.tensor_parallel_plan,
+                self.layer_classes,
             )
 
     def _plan_layout(self, module: pl.LightningModule, datamodule: Any) -> None:
@@ -323,11 +332,12 @@ class ParallelStrategy(ProcessGroup, ShardedCheckpoints, ModelParallelStep, pl.s
             self.whole_model_shapes = {key: tuple(value.shape) for key, value in module.state_dict().items()}
             self._stage_ids, self._stage_views = keep_own_stages(
                 module, mesh["pp"].get_local_rank(), self.pipeline_parallel, self.virtual_stages,
-                self.pipeline_schedule, self.pipeline_split_points,
+                self.pipeline_schedule, self.pipeline_split_points, self.layer_classes,
             )
         parallelize_model(
             module, self._stage_views, mesh["tp"], self.loss_parallel,
             self.activation_checkpointing and fitting, self.fsdp_mesh if self.sharding == "fsdp" else None,
+            self.tensor_parallel_plan, self.layer_classes,
             param_dtype=_LOW_PRECISION.get(self._precision_name), reduce_dtype=self.reduce_dtype,
             reshard_after_forward=self.reshard_after_forward, cpu_offload=self.cpu_offload,
         )
@@ -336,7 +346,9 @@ class ParallelStrategy(ProcessGroup, ShardedCheckpoints, ModelParallelStep, pl.s
             self.pipeline = Pipeline(
                 self._stage_views, self._stage_ids, self.pipeline_parallel * self.virtual_stages,
                 self.pipeline_schedule, self.microbatches, group=mesh.get_group("pp"),
-                tied_group=tied_embedding_group(mesh, self.pipeline_schedule, module.config.tie_embeddings),
+                tied_group=tied_embedding_group(  # a transformers model's config has no tie_embeddings
+                    mesh, self.pipeline_schedule, getattr(self._stage_views[0].config, "tie_embeddings", 0)
+                ),
                 device=self.root_device,
             )
         if self.sharding == "ddp" and fitting:

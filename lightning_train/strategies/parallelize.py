@@ -25,6 +25,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lightning_train._compat import checkpoint_activations, ddp_comm_hook_name, is_compiled
 from lightning_train.errors import UserInputError
+from lightning_train.strategies.layer_stages import CausalLMStage, base_model, split_layers
+from lightning_train.strategies.layers import decoder_layers, find_transformer, model_root
 from lightning_train.strategies.pipeline import (
     check_microbatches,
     check_pipeline,
@@ -35,6 +37,7 @@ from lightning_train.strategies.pipeline import (
     split_blocks,
     stage_model,
 )
+from lightning_train.strategies.plans import apply_plan, builtin_plan, check_plan
 from lightning_train.strategies.tensor_parallel import apply_tensor_parallel, check_tensor_parallel
 
 CommHook = Literal["fp16_compress", "bf16_compress", "powersgd"]
@@ -121,34 +124,71 @@ def check_model_layout(
     microbatches: int,
     data_parallel: int,
     activation_checkpointing: bool,
+    plan: dict[str, str] | None = None,
+    layer_classes: Sequence[str] | None = None,
 ) -> None:
-    """Refuse a model (a LightningModule holding a GPT, built or not yet), or a per-device batch of
-    ``batch_size`` sequences, that the layout cannot split."""
-    config = getattr(module, "config", None)
-    check_tensor_parallel(tensor_parallel, config)
+    """Refuse a model (a LightningModule holding a GPT or a model of its own, built or not yet), or a
+    per-device batch of ``batch_size`` sequences, that the layout cannot split. Before the model is built
+    only the config ``PretrainModule.build_model`` builds the GPT from can be checked (a subclass's
+    ``build_model`` may build another model); a model of one's own is checked once built."""
     model = find_transformer(module)
+    built = any(True for _ in module.parameters())
+    own = built and model is None  # a model of one's own: its layers and plan are checked, not a config
+    build = getattr(type(module), "build_model", None)
+    described = built or getattr(build, "__qualname__", "") == "PretrainModule.build_model"
+    config = model.config if model is not None else getattr(module, "config", None) if described else None
+    if not own and plan is not None and built:
+        raise UserInputError(
+            "tensor_parallel_plan is for a model of one's own; the GPT has its own plan: remove the option"
+        )
+    if not own and described:
+        check_tensor_parallel(tensor_parallel, config)
+    n_layer = getattr(config, "n_layer", 0)
+    if own:
+        root = model_root(module, decoder_layers(module, layer_classes))
+        if tensor_parallel > 1:
+            check_plan(root, tensor_parallel_plan(root, plan, tensor_parallel), tensor_parallel)
+        if pipeline_parallel > 1:
+            n_layer = len(base_model(root)[1].layers)  # refuses a model CausalLMStage cannot split
     if pipeline_parallel > 1:
         compiled = bool(getattr(module, "hparams", {}).get("compile")) or (
-            model is not None and is_compiled(model)
+            built and is_compiled(model_root(module, decoder_layers(module, layer_classes)))
         )
         check_zero_bubble(
-            schedule, data_parallel, tensor_parallel, bool(getattr(config, "tie_embeddings", False)),
+            schedule, data_parallel, tensor_parallel, not own and bool(getattr(config, "tie_embeddings", 0)),
             activation_checkpointing, compiled,
         )
-        check_stages(pipeline_parallel * virtual_stages, getattr(config, "n_layer", 0), split_points)
+        if built or described:
+            check_stages(pipeline_parallel * virtual_stages, n_layer, split_points)
         check_microbatches(batch_size, microbatches)
-    if not any(True for _ in module.parameters()):
+    if not built:
         return  # not built yet (configure_model builds it)
-    if model is None:
+    root = model if model is not None else model_root(module, decoder_layers(module, layer_classes))
+    if root is module and (tensor_parallel > 1 or pipeline_parallel > 1):
         raise UserInputError(
-            f"tensor_parallel={tensor_parallel} x pipeline_parallel={pipeline_parallel} needs a GPT (a "
-            f"module with `blocks`); {type(module).__name__} has none"
+            f"tensor_parallel={tensor_parallel} x pipeline_parallel={pipeline_parallel} needs the model as "
+            f"an attribute of {type(module).__name__} (e.g. self.model) with repeated decoder layers; none "
+            "found (name their class with the strategy's layer_classes)"
         )
-    if pipeline_parallel > 1 and all(child is not model for child in module.children()):
+    if pipeline_parallel > 1 and all(child is not root for child in module.children()):
         raise UserInputError(
-            f"pipeline_parallel needs the GPT as a direct attribute of {type(module).__name__} (e.g. "
+            f"pipeline_parallel needs the model as a direct attribute of {type(module).__name__} (e.g. "
             "self.model)"
         )
+
+
+def tensor_parallel_plan(
+    model: nn.Module, plan: dict[str, str] | None, tensor_parallel: int
+) -> dict[str, str]:
+    """The plan of a model of one's own: the one given, else ``plans.builtin_plan``'s; one error without."""
+    plan = plan if plan is not None else builtin_plan(model)
+    if plan is None:
+        raise UserInputError(
+            f"tensor_parallel={tensor_parallel} has no built-in plan for {type(model).__name__}; give the "
+            "strategy a tensor_parallel_plan (module-name patterns to colwise, rowwise or head: "
+            "docs/strategies.md)"
+        )
+    return plan
 
 
 def build_mesh(
@@ -162,31 +202,26 @@ def build_mesh(
     return init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)
 
 
-def find_transformer(model: nn.Module) -> nn.Module | None:
-    """The first submodule holding its layers in an ``nn.ModuleList`` named ``blocks`` (our GPT)."""
-    for module in model.modules():
-        if isinstance(getattr(module, "blocks", None), nn.ModuleList):
-            return module
-    return None
-
-
-def transformer_blocks(model: nn.Module) -> tuple[nn.Module, list[nn.Module]]:
-    """(root, blocks): the module with a ``blocks`` ModuleList and its blocks; for other models the
-    model itself and its direct children that hold parameters."""
-    transformer = find_transformer(model)
-    if transformer is not None:
-        return transformer, list(transformer.blocks)
+def transformer_blocks(
+    model: nn.Module, layer_classes: Sequence[str] | None = None
+) -> tuple[nn.Module, list[nn.Module]]:
+    """(root, blocks): the network and its decoder layers (``layers.decoder_layers``: the GPT's blocks, a
+    transformers model's ``_no_split_modules``, repeated layers, or ``layer_classes``); for a model with
+    none, the model itself and its direct children that hold parameters."""
+    layers = decoder_layers(model, layer_classes)
+    if layers:
+        return model_root(model, layers), layers
     rank_zero_warn(
-        f"{type(model).__name__} has no `blocks` ModuleList: sharding each of its direct children instead "
-        "of each transformer block"
+        f"{type(model).__name__} has no repeated decoder layers: sharding each of its direct children "
+        "instead (name the layers' class with the strategy's layer_classes)"
     )
     return model, [child for child in model.children() if any(True for _ in child.parameters())]
 
 
-def apply_activation_checkpointing(model: nn.Module) -> None:
-    """Recompute each block's activations in backward instead of keeping them (same gradients, less
+def apply_activation_checkpointing(model: nn.Module, layer_classes: Sequence[str] | None = None) -> None:
+    """Recompute each decoder layer's activations in backward instead of keeping them (same gradients, less
     memory, ~1/3 more compute). The composable API keeps parameter names (and checkpoints) unchanged."""
-    for block in transformer_blocks(model)[1]:
+    for block in transformer_blocks(model, layer_classes)[1]:
         checkpoint_activations(block)
 
 
@@ -197,9 +232,10 @@ def apply_fsdp(
     reduce_dtype: torch.dtype,
     reshard_after_forward: bool,
     cpu_offload: bool,
+    layer_classes: Sequence[str] | None = None,
 ) -> None:
-    """Shard each block, then the root (embeddings, final norm and head stay in the root's group), over
-    ``mesh``: 1-D (FSDP) or 2-D (replicate, shard: HSDP).
+    """Shard each decoder layer (``transformer_blocks``), then the root (embeddings, final norm and head
+    stay in the root's group), over ``mesh``: 1-D (FSDP) or 2-D (replicate, shard: HSDP).
 
     ``param_dtype`` is the compute dtype of the all-gathered parameters (None: the stored dtype); the
     sharded fp32 parameters stay the optimizer's master weights. Gradients are reduce-scattered in
@@ -214,7 +250,7 @@ def apply_fsdp(
         mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
         offload_policy=offload,
     )
-    root, blocks = transformer_blocks(model)
+    root, blocks = transformer_blocks(model, layer_classes)
     for index, block in enumerate(blocks):
         # the last block's parameters are needed again right away in backward: keep them gathered
         fully_shard(block, reshard_after_forward=reshard_after_forward and index < len(blocks) - 1, **options)
@@ -228,21 +264,28 @@ def keep_own_stages(
     virtual_stages: int,
     schedule: str,
     split_points: Sequence[int] | None,
+    layer_classes: Sequence[str] | None = None,
 ) -> tuple[list[int], list[nn.Module]]:
-    """Replace the GPT of ``module`` (a direct child) by what pipeline rank ``pp_rank``'s stages hold
-    (``pipeline.stage_model``; the rest is freed); returns those stages' ids and models, in schedule order."""
+    """Replace the model of ``module`` (a direct child: the GPT, or a transformers causal LM) by what
+    pipeline rank ``pp_rank``'s stages hold (``pipeline.stage_model``, ``layer_stages.CausalLMStage``; the
+    rest is freed); returns those stages' ids and models, in schedule order."""
     model = find_transformer(module)
+    if model is None:
+        model = model_root(module, decoder_layers(module, layer_classes))
+        split, make_stage = split_layers, CausalLMStage
+    else:
+        split, make_stage = split_blocks, stage_model
     num_stages = pipeline_parallel * virtual_stages
-    splits = split_blocks(model, num_stages, split_points)
+    splits = split(model, num_stages, split_points)
     stage_ids = pipeline_stage_ids(pp_rank, pipeline_parallel, virtual_stages, schedule)
-    stages = [stage_model(model, splits[i], i == 0, i == num_stages - 1) for i in stage_ids]
+    stages = [make_stage(model, splits[i], i == 0, i == num_stages - 1) for i in stage_ids]
     if is_compiled(model):  # a stage is a new module: compile it as the whole model was
         for stage in stages:
             stage.compile()
     held = stages[0]
     if virtual_stages > 1:  # the module holds all of this rank's stages (state dict, optimizer)
         owned = [index for i in stage_ids for index in splits[i]]
-        held = stage_model(model, owned, 0 in stage_ids, num_stages - 1 in stage_ids)
+        held = make_stage(model, owned, 0 in stage_ids, num_stages - 1 in stage_ids)
     name = next(name for name, child in module.named_children() if child is model)
     setattr(module, name, held)
     return stage_ids, stages
@@ -272,21 +315,30 @@ def parallelize_model(
     loss_parallel: bool,
     activation_checkpointing: bool,
     fsdp_mesh: DeviceMesh | None,
+    plan: dict[str, str] | None = None,
+    layer_classes: Sequence[str] | None = None,
     **fsdp_options: Any,
 ) -> None:
     """Lay ``module`` out in place, in torchtitan's order: tensor parallelism over ``tp_mesh`` (when it has
     more than one rank) on each pipeline stage of this rank (``stages``; none: the whole GPT), then
     activation checkpointing on every block, then FSDP2 over ``fsdp_mesh`` (None: nothing to shard over)
     with each stage, or the whole module, a root of its own (a schedule runs stages, never the whole
-    module). ``fsdp_options``: ``apply_fsdp``'s."""
+    module). A model of one's own (not the GPT) is split by ``plan`` (else ``plans.builtin_plan``'s) and
+    its decoder layers found by ``layers.decoder_layers`` (``layer_classes``). ``fsdp_options``:
+    ``apply_fsdp``'s."""
+    gpt = find_transformer(module)
     if tp_mesh.size() > 1:
-        for part in stages or [find_transformer(module)]:
-            apply_tensor_parallel(part, tp_mesh, loss_parallel)
+        whole = gpt or model_root(module, decoder_layers(module, layer_classes))
+        for part in stages or [whole]:
+            if gpt is not None:
+                apply_tensor_parallel(part, tp_mesh, loss_parallel)
+            else:
+                apply_plan(part, tp_mesh, tensor_parallel_plan(part, plan, tp_mesh.size()), loss_parallel)
     if activation_checkpointing:
-        apply_activation_checkpointing(module)
+        apply_activation_checkpointing(module, layer_classes)
     if fsdp_mesh is not None:
         for root in stages or [module]:
-            apply_fsdp(root, fsdp_mesh, **fsdp_options)
+            apply_fsdp(root, fsdp_mesh, layer_classes=layer_classes, **fsdp_options)
 
 
 def register_comm_hook(model: DistributedDataParallel, preset: CommHook, backend: str) -> str | None:

@@ -170,16 +170,24 @@ def split_blocks(model: nn.Module, num_stages: int, split_points: Sequence[int] 
         >>> last(torch.randn(1, 8, 32)).shape  # hidden states of the stage before -> logits
         torch.Size([1, 8, 320])
     """
-    n_layer = len(model.blocks)
-    check_stages(num_stages, n_layer, split_points)
-    if split_points is not None:
-        bounds = [0, *split_points, n_layer]
-        return [range(bounds[i], bounds[i + 1]) for i in range(num_stages)]
     cost = [sum(p.numel() for p in block.parameters()) for block in model.blocks]
     cost[0] += sum(p.numel() for p in model.embed.parameters())
     if model.pos_embed is not None:
         cost[0] += model.pos_embed.weight.numel()
     cost[-1] += model.lm_head.weight.numel() + sum(p.numel() for p in model.norm.parameters())
+    return split_by_cost(cost, num_stages, split_points)
+
+
+def split_by_cost(
+    cost: Sequence[int], num_stages: int, split_points: Sequence[int] | None = None
+) -> list[range]:
+    """Layers ``0..len(cost)-1`` in ``num_stages`` contiguous ranges: cut at ``split_points``, or else where
+    the largest stage's summed ``cost`` is least."""
+    n_layer = len(cost)
+    check_stages(num_stages, n_layer, split_points)
+    if split_points is not None:
+        bounds = [0, *split_points, n_layer]
+        return [range(bounds[i], bounds[i + 1]) for i in range(num_stages)]
     # best[s][j]: the least largest-stage cost of blocks [0, j) in s stages, and where its last stage starts
     inf = float("inf")
     best = [[(inf, 0)] * (n_layer + 1) for _ in range(num_stages + 1)]

@@ -17,6 +17,7 @@ import lightning as L
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.fsdp import FSDPModule
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from lightning_train import PretrainModule
@@ -161,6 +162,13 @@ class StrategyProbe(L.Callback):
             "micro_steps": self.micro_steps,
             "memory": self.memory,
             "logits": self.logits,
+            # the modules FSDP2 made units of; the parameters tensor parallelism split
+            "fsdp_units": [name for name, m in pl_module.named_modules() if isinstance(m, FSDPModule)],
+            "tp_split_params": [
+                name for name, p in pl_module.named_parameters()
+                if "tp" in (getattr(getattr(p, "device_mesh", None), "mesh_dim_names", None) or ())
+                and any(placement.is_shard() for placement in p.placements)
+            ],
         }
         self.output_dir.mkdir(parents=True, exist_ok=True)
         (self.output_dir / f"rank{trainer.global_rank}.json").write_text(json.dumps(report, indent=1))
