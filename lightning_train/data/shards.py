@@ -243,7 +243,7 @@ def _write_shards(
 ) -> dict[str, Any]:
     dtype = np.dtype(np.uint16 if tok.vocab_size <= 1 << 16 else np.uint32)
     writers = {split: _ShardWriter(folder, split, dtype, shard_tokens, tok.eos_id) for split in SPLITS}
-    streams = [(files, split.of), (val_files, lambda piece, tokens: "val")]  # val_inputs: all val
+    streams = [(files, split.of), *([(val_files, lambda piece, tokens: "val")] if val_files else [])]
     columns = (
         TextColumn("[bold]tokenizing"),
         BarColumn(),
