@@ -12,11 +12,12 @@ import lightning as L
 import pytest
 import torch
 
+from lightning_train.checkpoint.sharded import read_whole_sharded_checkpoint
 from lightning_train.errors import UserInputError
 from lightning_train.models.gpt import GPT, GPTConfig
 from lightning_train.modules import PretrainModule
 from lightning_train.modules.muon import GatheringMuon, MuonAdamW
-from tests.conftest import REPO, cli_env
+from tests.conftest import REPO, cli_env, run_cli
 from tests.helpers.tiny_runs import TINY, WithValidation
 
 
@@ -34,7 +35,7 @@ def test_muon_takes_the_blocks_matrices_and_adamw_the_rest():
     assert groups["muon"] == sorted(n for n, p in module.model.named_parameters()
                                     if n.startswith("blocks.") and p.ndim == 2)
     assert {n.split(".")[-2] for n in groups["muon"]} == {"qkv", "proj", "gate", "up", "down"}
-    assert groups["decay"] == []  # the head is tied to the embedding, which decays not
+    assert "decay" not in groups  # the head is tied to the embedding, which decays not: no empty group
     assert "embed.weight" in groups["no_decay"] and "norm.weight" in groups["no_decay"]
     assert isinstance(module.configure_optimizers()["optimizer"], MuonAdamW)
 
@@ -111,3 +112,27 @@ def test_sharded_muon_takes_the_same_steps_as_one_process(tmp_path, layout):
         assert rank["moved"] > 0.05  # and the steps moved the weights
     # orthogonalising a shard alone would be wrong by far more than the tolerance
     assert max(rank["shard_alone_difference"] for rank in ranks) > 0.01
+
+
+@pytest.mark.slow
+def test_an_fsdp_muon_run_resumed_ends_where_an_uninterrupted_one_does(tmp_path):
+    """Through the CLI on 2 gloo ranks: the sharded checkpoint holds Muon's and AdamW's states, and 4 steps
+    + a resume + 4 steps give the weights of 8 steps in one go."""
+    def fit(run: str, steps: int) -> None:
+        result = run_cli(
+            "fit", "--config", str(REPO / "configs" / "pretrain-tiny.yaml"), "--trainer.devices", "2",
+            "--trainer.strategy", "lt_fsdp", "--trainer.max_steps", str(steps), "--trainer.callbacks", "[]",
+            "--trainer.limit_val_batches", "0", "--model.init_args.optimizer", "muon",
+            "--model.config", json.dumps({**TINY, "block_size": 32}), "--data.seq_len", "32",
+            "--data.batch_size", "2", "--run_name", run, "--resume", "auto", cwd=tmp_path, timeout=300,
+        )
+        assert result.returncode == 0, result.stderr[-3000:]
+
+    fit("whole", 8)
+    fit("resumed", 4)
+    fit("resumed", 8)
+    whole, resumed = (read_whole_sharded_checkpoint(tmp_path / "runs" / run / "checkpoints" / "last.ckpt")
+                      for run in ("whole", "resumed"))
+    assert whole["global_step"] == resumed["global_step"] == 8
+    for name, tensor in whole["state_dict"].items():
+        assert torch.equal(tensor, resumed["state_dict"][name]), name

@@ -138,11 +138,12 @@ class PretrainModule(L.LightningModule):
                 muon.append(param)
             else:
                 (decay if param.ndim >= 2 and "embed" not in top else no_decay).append(param)
-        groups = [{"name": "muon", "params": muon, "weight_decay": self.hparams.weight_decay, "muon": True}]
-        return groups[: bool(muon)] + [
+        groups = [
+            {"name": "muon", "params": muon, "weight_decay": self.hparams.weight_decay, "muon": True},
             {"name": "decay", "params": decay, "weight_decay": self.hparams.weight_decay},
             {"name": "no_decay", "params": no_decay, "weight_decay": 0.0},
         ]
+        return [group for group in groups if group["params"]]  # DCP's optimizer state refuses an empty group
 
     def prepare_model(self, model: nn.Module) -> nn.Module:
         """What happens to the freshly built network before the speed settings: nothing here;
