@@ -217,3 +217,11 @@ def test_whole_process_smoke(tmp_path: Path) -> None:
         assert row["tokens_per_s"]["a"] > 0 and row["tokens_per_s"]["b"] > 0
     assert Path(payload["setup"]["imported"]["tree"]).is_relative_to(REPO)
 
+
+
+def test_muon_smoke(tmp_path: Path) -> None:
+    payload = run_smoke("muon.py", tmp_path / "muon.json")
+    assert payload["benchmark"] == "muon" and payload["smoke"] is True
+    for row in ("optimizer step", "training step"):
+        for clock in ("cpu", "wall"):
+            check_comparison(payload["results"][row][clock], pairs=1)

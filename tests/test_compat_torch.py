@@ -145,3 +145,13 @@ def test_process_group_store():
         assert store.get("compat-test") == b"7" and store.add("compat-counter", 1) == 1
     finally:
         dist.destroy_process_group()
+
+
+# ---- torch: Muon ------------------------------------------------------------------------------------------
+def test_muon_orthogonalise_and_adjusted_lr():
+    group = torch.optim.Muon([torch.nn.Parameter(torch.zeros(2, 2))]).param_groups[0]
+    matrix = torch.randn(48, 16, generator=torch.Generator().manual_seed(0))
+    singular = torch.linalg.svdvals(_compat.muon_orthogonalise(matrix, group).float())
+    assert singular.shape == (16,) and singular.min() > 0.5 and singular.max() < 1.5  # ~orthogonal, Muon's
+    adjusted = _compat.muon_adjusted_lr(0.01, "match_rms_adamw", torch.Size([96, 32]))
+    assert abs(adjusted - 0.002 * 96**0.5) < 1e-12  # 0.2 x sqrt(the larger side) x lr

@@ -74,6 +74,8 @@ from lightning_train._compat.torch_api import (
     handles_amp_scaling,
     is_compiled,
     loss_scale_async,
+    muon_adjusted_lr,
+    muon_orthogonalise,
     process_group_store,
 )
 
@@ -105,6 +107,8 @@ __all__ = [
     "logger_prefix",
     "logging_as_hook",
     "loss_scale_async",
+    "muon_adjusted_lr",
+    "muon_orthogonalise",
     "object_storage_check_without_imports",
     "open_tqdm_bars",
     "optimizers_to_device",
@@ -122,5 +126,4 @@ __all__ = [
     "torchmetrics_without_heavy_extras",
     "wandb_init_kwargs",
     "wandb_name_or_project",
-    "wandb_offline",
-]
+    "wandb_offline",]

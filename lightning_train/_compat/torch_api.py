@@ -132,3 +132,19 @@ def forward_only_v_schedule(stages: Sequence[Any], microbatches: int) -> Any:
     return schedule
 
 
+
+
+def muon_orthogonalise(update: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
+    """``torch.optim.Muon``'s Newton-Schulz orthogonalisation of a whole matrix, with ``group``'s
+    coefficients, steps and eps (``torch.optim._muon._zeropower_via_newtonschulz``, torch 2.9-2.13)."""
+    from torch.optim import _muon
+
+    coefficients, steps, eps = group["ns_coefficients"], group["ns_steps"], group["eps"]
+    return _muon._zeropower_via_newtonschulz(update, coefficients, steps, eps)
+
+
+def muon_adjusted_lr(lr: float, adjust_lr_fn: str | None, shape: torch.Size) -> float:
+    """``torch.optim.Muon``'s learning rate for a matrix of ``shape`` (``torch.optim._muon._adjust_lr``)."""
+    from torch.optim import _muon
+
+    return _muon._adjust_lr(lr, adjust_lr_fn, shape)

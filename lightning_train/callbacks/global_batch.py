@@ -8,6 +8,12 @@ sample order, the global samples consumed. Two things about the global batch bel
   ``global_batch_size / (batch_size x data-parallel ranks)``, so each optimizer step takes that many samples
   whatever the data-parallel size of this launch (an elastic group that comes back with fewer nodes
   accumulates more micro-batches a rank).
+- ``val_check_interval`` (an int, with ``check_val_every_n_epoch=None``, the CLI's default) counts optimizer
+  steps: Lightning counts it in batches across epochs, so with ``global_batch_size`` (whose epochs end at a
+  whole step) it becomes ``interval x accumulation`` batches at each epoch start, and validation (with the
+  checkpoint written after it) lands on steps ``interval, 2 x interval, ...`` whatever the epoch length.
+  With ``accumulate_grad_batches`` set by hand it stays Lightning's count of batches (an epoch's last step
+  may then take fewer batches, so no count of batches stays on the step grid).
 - A resume at another global batch (another device count or ``batch_size``): Lightning restores its count
   of the epoch's batches in batches of the old size, so its epoch would end too early (samples left out)
   or too late; at train start the count is restated in batches of this size, as the sampler worked out.
@@ -31,8 +37,9 @@ from lightning_train.errors import UserInputError
 
 
 class GlobalBatch(L.Callback):
-    """Sets the accumulation that keeps the data module's ``global_batch_size``, and Lightning's count of
-    the epoch's batches after a resume at another global batch (see the module docstring)."""
+    """Sets the accumulation that keeps the data module's ``global_batch_size``, validation every
+    ``val_check_interval`` optimizer steps, and Lightning's count of the epoch's batches after a resume at
+    another global batch (see the module docstring)."""
 
     def __init__(self) -> None:
         self.accumulation: int | None = None  # what this callback set accumulate_grad_batches to
@@ -61,6 +68,13 @@ class GlobalBatch(L.Callback):
             f"global_batch_size={wanted}: {data_parallel} data-parallel ranks x "
             f"batch_size={datamodule.batch_size} x {self.accumulation} accumulated micro-batches a step"
         )
+
+    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # Lightning has just set val_check_batch from val_check_interval as it (re)loaded the train loader.
+        interval = trainer.val_check_interval
+        on_steps = isinstance(interval, int) and not isinstance(interval, bool)
+        if self.accumulation is not None and trainer.check_val_every_n_epoch is None and on_steps:
+            trainer.val_check_batch = interval * self.accumulation
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         sampler = getattr(trainer.train_dataloader, "sampler", None)

@@ -22,6 +22,7 @@ from lightning_train.callbacks import (
     RNGStateKeeper,
     RunSummary,
     StepAxisKeeper,
+    TimeToQuality,
     TokenProgressBar,
 )
 from lightning_train.checkpoint import AtomicCheckpointIO
@@ -32,7 +33,8 @@ from lightning_train.storage import is_remote, join
 
 
 def run_defaults(
-    trainer: dict[str, Any], subcommand: str | None, command: list[str], async_checkpoint: bool = False
+    trainer: dict[str, Any], subcommand: str | None, command: list[str], async_checkpoint: bool = False,
+    target: float | None = None,
 ) -> dict[str, Any]:
     """Trainer arguments that complete what the config left out; a config that sets one wins.
 
@@ -49,6 +51,12 @@ def run_defaults(
       background with ``--async_checkpoint true``); on SLURM,
       Lightning's own auto-requeue is off so that it does not act on the same signals (under torchrun
       inside SLURM, torchrun's ranks are the ones that count: Lightning's TorchElasticEnvironment).
+    - Validation on the optimizer-step grid: the CLI's ``check_val_every_n_epoch`` is ``None``, so an int
+      ``val_check_interval`` counts steps across epochs (``GlobalBatch`` turns them into batches under
+      accumulation) and the default checkpoint, written after each validation, falls on the same steps;
+      where the interval is a fraction of the epoch, or nothing is validated, Lightning's 1 is kept.
+    - ``--time_to_quality.target`` (``target``): the target of the config's ``TimeToQuality``, or a
+      ``TimeToQuality(target)`` on ``val/loss`` when the config has none.
     """
     root_dir = trainer["default_root_dir"]  # set by before_instantiate_classes
     callbacks, plugins = _as_list(trainer.get("callbacks")), _as_list(trainer.get("plugins"))
@@ -77,7 +85,16 @@ def run_defaults(
         extra_callbacks.append(RunSummary(command=command))
     if subcommand == "fit" and not any(isinstance(c, GoodputMonitor) for c in callbacks):
         extra_callbacks.append(GoodputMonitor())
+    if target is not None:
+        stoppers = [c for c in callbacks if isinstance(c, TimeToQuality)]
+        for stopper in stoppers:
+            stopper.target = target
+        if not stoppers:
+            extra_callbacks.append(TimeToQuality(target=target))
     defaults["callbacks"] = callbacks + extra_callbacks
+
+    if trainer.get("check_val_every_n_epoch") is None and not validates_on_steps(trainer):
+        defaults["check_val_every_n_epoch"] = 1  # a fraction of an epoch needs epochs: Lightning refuses None
 
     amp = amp_for_precision_flag(trainer.get("precision"), trainer.get("accelerator"))
     if amp is not None and not any(isinstance(p, Precision) for p in plugins):
@@ -96,6 +113,13 @@ def run_defaults(
         plugins.append(SLURMEnvironment(auto_requeue=False))
     defaults["plugins"] = plugins
     return defaults
+
+
+def validates_on_steps(trainer: dict[str, Any]) -> bool:
+    """Whether validation runs every ``val_check_interval`` optimizer steps (an int) rather than per epoch."""
+    interval = trainer.get("val_check_interval")
+    steps = isinstance(interval, int) and not isinstance(interval, bool)
+    return steps and trainer.get("limit_val_batches") != 0
 
 
 def _as_list(value: Callback | list[Callback] | None) -> list[Callback]:

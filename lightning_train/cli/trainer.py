@@ -93,6 +93,9 @@ class LightningTrainCLI(LightningCLI):
         kwargs.setdefault("seed_everything_default", 1234)
         kwargs.setdefault("parser_class", LightningParser)
         kwargs.setdefault("save_config_callback", SaveConfigWhenRunning)
+        # An int val_check_interval counts optimizer steps across epochs (run_defaults keeps Lightning's 1
+        # where the interval is a fraction of the epoch or nothing is validated).
+        kwargs["trainer_defaults"] = {"check_val_every_n_epoch": None, **kwargs.get("trainer_defaults", {})}
         self.command = ["python", "-m", "lightning_train", *(sys.argv[1:] if args is None else args)]
         self.run_lock: RunLock | None = None  # held by a fit's first process while it trains
         super().__init__(
@@ -136,7 +139,8 @@ class LightningTrainCLI(LightningCLI):
         trainer_config = cli_config_value(self, self.config_init, "trainer", default={})
         check_trainer_arguments(trainer_config)
         async_checkpoint = cli_config_value(self, self.config_init, "async_checkpoint", default=False)
-        defaults = {**run_defaults(trainer_config, self.subcommand, self.command, async_checkpoint),
+        target = cli_config_value(self, self.config_init, "time_to_quality.target")
+        defaults = {**run_defaults(trainer_config, self.subcommand, self.command, async_checkpoint, target),
                     **torchrun_layout(trainer_config)}
         try:
             return super().instantiate_trainer(**{**defaults, **kwargs})
@@ -164,6 +168,11 @@ class LightningTrainCLI(LightningCLI):
             "--continue_past_target", type=bool, default=False,
             help="fit: resume a run that TimeToQuality stopped at its target and train on to max_steps "
             "(without it, such a run says it is finished and exits 0).",
+        )
+        parser.add_argument(
+            "--time_to_quality.target", type=float | None, default=None,
+            help="fit: stop when val/loss reaches this value and write time_to_quality.json (the "
+            "TimeToQuality callback: it replaces the target of one in trainer.callbacks, else it is added)",
         )
 
     def before_instantiate_classes(self) -> None:

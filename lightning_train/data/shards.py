@@ -10,7 +10,9 @@ Layout of a dataset folder::
 The split is systematic: a piece of text goes to val whenever that brings val nearer to ``val_fraction`` of
 the tokens seen so far, so val is spread evenly over the corpus, documents stay whole (except a big file's
 pieces), train is never empty (the first piece goes to train; a one-piece corpus has no val), and the
-result depends only on the inputs and the tokenizer.
+result depends only on the inputs and the tokenizer. ``val_split="tail"`` holds out the inputs' last
+``val_fraction`` of bytes instead, in one contiguous piece (the pieces that start there); ``val_inputs``
+are a validation set of their own (all of ``inputs`` then goes to train).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import lightning_train.data.object_storage as object_storage
 from lightning_train.data.bpe import TOKENIZER_FILE, check_tokenizer_choice, train_bpe
 from lightning_train.data.meta import FORMAT_VERSION, is_dataset_meta, tokenizer_spec
 from lightning_train.data.sources import Piece, collect_files, iter_pieces, stdlib_sources
+from lightning_train.data.split import Split, check_split_options
 from lightning_train.data.tokenizers import Tokenizer, load_tokenizer
 from lightning_train.errors import UserInputError
 from lightning_train.output_folder import check_apart, check_replaceable, publish, staged
@@ -96,13 +99,15 @@ def prepare(
     inputs: list[str] | None = None,
     output_dir: str | None = None,
     tokenizer: str = "byte",
-    val_fraction: float = 0.01,
+    val_fraction: float | None = None,
     jsonl_field: str = "text",
     num_workers: int | None = None,
     shard_tokens: int = 50_000_000,
     overwrite: bool = False,
     train_tokenizer: str | None = None,
     vocab_size: int | None = None,
+    val_inputs: list[str] | None = None,
+    val_split: str = "spread",
 ) -> PreparedDataset:
     """Tokenize text files, folders and JSONL files into token shards in ``output_dir``; returns what it
     wrote (``.output_dir`` is the dataset folder). Prints nothing but its progress bar.
@@ -114,7 +119,7 @@ def prepare(
             one or lies inside one; written in a hidden sibling folder first and renamed into place at
             the end, so a failed ``prepare`` (a full disk among the causes) leaves nothing behind.
         tokenizer: ``"byte"`` or the path of a Hugging Face ``tokenizer.json`` (see ``load_tokenizer``).
-        val_fraction: share of tokens held out for validation, in [0, 1).
+        val_fraction: share of tokens held out for validation, in [0, 1); None: 0.01 (0 with ``val_inputs``).
         jsonl_field: the field of each JSONL record that holds the document text.
         num_workers: tokenizer processes, at most one per core this process may run on
             (``os.sched_getaffinity``): a larger number is lowered to that; ``None`` uses every such core,
@@ -125,6 +130,11 @@ def prepare(
         train_tokenizer: ``"bpe"``: instead of ``tokenizer``, train a byte-level BPE of ``vocab_size``
             tokens on the inputs first (``data/bpe.py``), saved as ``tokenizer.json`` in ``output_dir``.
         vocab_size: the trained tokenizer's vocabulary (at least 258: the bytes, <|endoftext|>, <|pad|>).
+        val_inputs: files and folders (as ``inputs``) that make the validation split, all of them; all of
+            ``inputs`` then goes to train (``val_fraction`` and ``val_split`` do not apply).
+        val_split: where ``val_fraction`` comes from: ``"spread"`` (pieces spread evenly over the corpus) or
+            ``"tail"`` (the inputs' last ``val_fraction`` of bytes, contiguous: nothing of val's text lies
+            between train's).
 
     Example (a folder of 20 small files; the progress bar's width and time vary, hence the ``...``):
 
@@ -157,10 +167,7 @@ def prepare(
         inputs = [str(path) for path in stdlib_sources()]
     if not inputs:
         raise UserInputError("inputs is empty; pass at least one text file, folder or JSONL file")
-    if not 0.0 <= val_fraction < 1.0:
-        raise UserInputError(
-            f"val_fraction={val_fraction} is outside [0, 1); use e.g. 0.01 for 1% validation"
-        )
+    val_fraction, val_inputs = check_split_options(val_fraction, val_split, val_inputs)
     if shard_tokens < 1:
         raise UserInputError(f"shard_tokens={shard_tokens} must be positive; the default is 50_000_000")
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
@@ -176,7 +183,8 @@ def prepare(
         output_dir = str(scratch_dir("prepare") / name(remote))
     out = Path(output_dir).expanduser().resolve()
     # The output is replaced whole at the end: an input (the tokenizer among them) in it would go too.
-    used = [*inputs, *([tokenizer] if tokenizer != "byte" and not train_tokenizer else [])]
+    tokenizer_file = [tokenizer] if tokenizer != "byte" and not train_tokenizer else []
+    used = [*inputs, *val_inputs, *tokenizer_file]
     check_apart(out, "output_dir", [(f"the input {path}", path) for path in used],
                 "choose an output_dir outside the inputs")
     replace = check_replaceable(out, "output_dir", overwrite, "a dataset prepare wrote", _holds_dataset)
@@ -185,6 +193,11 @@ def prepare(
     if not files:
         raise UserInputError(
             f"inputs {[str(i) for i in inputs]} contain no text files; pass text/JSONL files"
+        )
+    val_files = collect_files(val_inputs) if val_inputs else []
+    if val_inputs and not val_files:
+        raise UserInputError(
+            f"val_inputs {[str(i) for i in val_inputs]} contain no text files; pass text/JSONL files"
         )
 
     if remote is None:
@@ -196,7 +209,8 @@ def prepare(
         if train_tokenizer:
             pieces = _with_bar(iter_pieces(files, jsonl_field), files, f"training {train_tokenizer}")
             tok = load_tokenizer(str(train_bpe((piece.text for piece in pieces), vocab_size, tmp / spec)))
-        meta = _write_shards(tmp, tok, spec, files, val_fraction, jsonl_field, num_workers, shard_tokens)
+        split = Split(val_fraction, val_split, sum(f.stat().st_size for f in files))
+        meta = _write_shards(tmp, tok, spec, files, val_files, split, jsonl_field, num_workers, shard_tokens)
         if meta["total_tokens"] == 0:
             raise UserInputError(
                 f"inputs {[str(i) for i in inputs]} contain no text (0 tokens); pass non-empty files"
@@ -208,7 +222,8 @@ def prepare(
     split_tokens = {split: sum(s["num_tokens"] for s in meta["shards"] if s["split"] == split)
                     for split in SPLITS}
     return PreparedDataset(
-        output_dir=remote or out, input_files=len(files), input_bytes=sum(f.stat().st_size for f in files),
+        output_dir=remote or out, input_files=len(files) + len(val_files),
+        input_bytes=sum(f.stat().st_size for f in files + val_files),
         tokenizer=tokenizer_spec(out, meta), vocab_size=tok.vocab_size, train_tokens=split_tokens["train"],
         val_tokens=split_tokens["val"], shard_files=tuple(s["file"] for s in meta["shards"]),
         seconds=time.perf_counter() - started, trained_tokenizer=train_tokenizer,
@@ -220,14 +235,15 @@ def _write_shards(
     tok: Tokenizer,
     spec: str,
     files: list[Path],
-    val_fraction: float,
+    val_files: list[Path],
+    split: Split,
     jsonl_field: str,
     num_workers: int,
     shard_tokens: int,
 ) -> dict[str, Any]:
     dtype = np.dtype(np.uint16 if tok.vocab_size <= 1 << 16 else np.uint32)
     writers = {split: _ShardWriter(folder, split, dtype, shard_tokens, tok.eos_id) for split in SPLITS}
-    val_tokens = total_tokens = 0  # encoded tokens, which decide the split
+    streams = [(files, split.of), *([(val_files, lambda piece, tokens: "val")] if val_files else [])]
     columns = (
         TextColumn("[bold]tokenizing"),
         BarColumn(),
@@ -237,16 +253,14 @@ def _write_shards(
     )
     try:
         with Progress(*columns) as progress:
-            total_bytes = sum(f.stat().st_size for f in files)
+            total_bytes = sum(f.stat().st_size for f in files + val_files)
             task = progress.add_task("", total=total_bytes, tokens=0)
-            for piece, tokens in _encode_in_order(iter_pieces(files, jsonl_field), tok, num_workers):
-                total_tokens += len(tokens)
-                split = "val" if val_tokens + len(tokens) / 2 < val_fraction * total_tokens else "train"
-                if split == "val":
-                    val_tokens += len(tokens)
-                writers[split].write_piece(tokens, piece)
-                written = sum(writer.num_tokens for writer in writers.values())  # with the split's eos marks
-                progress.update(task, advance=piece.nbytes, tokens=written)
+            for stream_files, split_of in streams:
+                pieces = iter_pieces(stream_files, jsonl_field)
+                for piece, tokens in _encode_in_order(pieces, tok, num_workers):
+                    writers[split_of(piece, tokens)].write_piece(tokens, piece)
+                    written = sum(writer.num_tokens for writer in writers.values())  # with the eos marks
+                    progress.update(task, advance=piece.nbytes, tokens=written)
             shards = [shard for writer in writers.values() for shard in writer.close()]
             written = sum(shard["num_tokens"] for shard in shards)
             progress.update(task, completed=total_bytes, tokens=written)  # + skipped blank lines, last eos
@@ -261,7 +275,8 @@ def _write_shards(
         "eos_id": tok.eos_id,
         "pad_id": tok.pad_id,
         "dtype": dtype.name,
-        "val_fraction": val_fraction,
+        "val_fraction": split.fraction,
+        "val_split": "inputs" if val_files else split.where,
         "total_tokens": written,
         "shards": shards,
     }

@@ -26,6 +26,7 @@ from lightning_train.checkpoint.optimizer_state import name_optimizer_states, nu
 from lightning_train.errors import UserInputError
 from lightning_train.models.float8 import check_float8_device, convert_to_float8
 from lightning_train.models.gpt import GPT, GPTConfig, padded_vocab_size
+from lightning_train.modules.muon import MuonAdamW
 from lightning_train.plugins.step import step_control
 
 
@@ -54,6 +55,9 @@ class PretrainModule(L.LightningModule):
             ``max_steps`` (or its estimate of the total steps).
         weight_decay: AdamW decay for matrices; norms, biases and embeddings get none.
         betas, eps: AdamW's.
+        optimizer: "adamw", or "muon": ``torch.optim.Muon`` on the blocks' weight matrices (embeddings, head,
+            norms and biases stay on AdamW), its update scaled to AdamW's RMS so that ``learning_rate`` and
+            the schedule serve both; correct under FSDP and tensor parallelism (``modules/muon.py``).
         compile: ``torch.compile`` the model (after a strategy has wrapped it).
         float8: run the Linear layers' matmuls in float8 (torchao; a CUDA GPU with compute capability
             >= 8.9, e.g. H100). Applied before ``compile``; see ``lightning_train.models.float8``.
@@ -88,6 +92,7 @@ class PretrainModule(L.LightningModule):
         eps: float = 1e-8,
         compile: bool = False,
         float8: bool = False,
+        optimizer: str = "adamw",
     ) -> None:
         super().__init__()
         for name, value, bad, fix in (  # each bad value as one line naming it and the fix
@@ -98,6 +103,7 @@ class PretrainModule(L.LightningModule):
             ("weight_decay", weight_decay, weight_decay < 0, "must be >= 0, e.g. 0.1"),
             ("betas", betas, not all(0 <= b < 1 for b in betas), "must each be in [0, 1), e.g. [0.9, 0.95]"),
             ("eps", eps, eps <= 0, "must be > 0, e.g. 1e-8"),
+            ("optimizer", repr(optimizer), optimizer not in ("adamw", "muon"), "must be 'adamw' or 'muon'"),
         ):
             if bad:
                 raise UserInputError(f"{name}={value} {fix}")
@@ -121,17 +127,23 @@ class PretrainModule(L.LightningModule):
         return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100)
 
     def configure_param_groups(self) -> list[dict[str, Any]]:
-        """AdamW groups: weight decay on matrices only (not on norms, biases or embeddings)."""
-        decay, no_decay = [], []
+        """AdamW groups: weight decay on matrices only (not on norms, biases or embeddings); with
+        ``optimizer="muon"`` the blocks' 2-D matrices form a group of their own, marked ``"muon": True``."""
+        muon, decay, no_decay = [], [], []
         for name, param in self.model.named_parameters():
             if not param.requires_grad:
                 continue
-            is_embedding = "embed" in name.split(".")[0]
-            (decay if param.ndim >= 2 and not is_embedding else no_decay).append(param)
-        return [
+            top = name.split(".")[0]
+            if param.ndim == 2 and top == "blocks" and self.hparams.get("optimizer") == "muon":
+                muon.append(param)
+            else:
+                (decay if param.ndim >= 2 and "embed" not in top else no_decay).append(param)
+        groups = [
+            {"name": "muon", "params": muon, "weight_decay": self.hparams.weight_decay, "muon": True},
             {"name": "decay", "params": decay, "weight_decay": self.hparams.weight_decay},
             {"name": "no_decay", "params": no_decay, "weight_decay": 0.0},
         ]
+        return [group for group in groups if group["params"]]  # DCP's optimizer state refuses an empty group
 
     def prepare_model(self, model: nn.Module) -> nn.Module:
         """What happens to the freshly built network before the speed settings: nothing here;
@@ -337,10 +349,13 @@ class PretrainModule(L.LightningModule):
 
     def configure_optimizers(self) -> dict[str, Any]:
         params = self.configure_param_groups()
-        optimizer = torch.optim.AdamW(
-            params, lr=self.hparams.learning_rate, betas=self.hparams.betas, eps=self.hparams.eps,
-            **_fastest_adamw_kwargs(params),
-        )
+        adamw = {"lr": self.hparams.learning_rate, "betas": self.hparams.betas, "eps": self.hparams.eps}
+        adamw_params = [group for group in params if not group.get("muon")]
+        if len(adamw_params) < len(params):
+            optimizer = MuonAdamW(params, weight_decay=self.hparams.weight_decay, **adamw,
+                                  adamw_kwargs=_fastest_adamw_kwargs(adamw_params))
+        else:
+            optimizer = torch.optim.AdamW(params, **adamw, **_fastest_adamw_kwargs(params))
         decay_steps = self.hparams.decay_steps or self._total_steps()
         min_ratio = self.hparams.min_lr / self.hparams.learning_rate
         warmup = self.hparams.warmup_steps
