@@ -167,8 +167,10 @@ def measure(systems: dict[str, Any], setup: dict, repeats: int, lengths: tuple[i
         for name in order:
             run = systems[name]
             short, long = run(lengths[0], False), run(lengths[1], False)
-            # seeded, one thread: a quality run repeats its losses exactly, so later repeats reuse the last
-            quality = run(max_steps[name], True) if repeat < quality_runs else records[name][-1]["quality"]
+            # seeded, one thread: a quality run repeats its losses exactly, so later repeats reuse the last;
+            # --quality-runs 0: tokens per CPU second only
+            quality = {"val": []} if not quality_runs else (
+                run(max_steps[name], True) if repeat < quality_runs else records[name][-1]["quality"])
             cpu_per_step = (long["cpu"] - short["cpu"]) / (lengths[1] - lengths[0])
             steps = steps_to(setup["target"], quality["val"])
             records[name].append({
@@ -220,7 +222,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         help="the two throughput runs' steps")
     parser.add_argument("--nanogpt-max-iters", type=int, default=2000, help="nanoGPT's CPU recipe's")
     parser.add_argument("--quality-runs", type=int, default=1,
-                        help="repeats that run to the target (seeded runs repeat their losses exactly)")
+                        help="repeats that run to the target (seeded runs repeat their losses exactly); "
+                        "0: tokens per CPU second only")
     args = parser.parse_args(argv)
     smoke_cadence = ["--trainer.val_check_interval=2", "--trainer.limit_val_batches=2"]
     overrides = [*SMOKE_SHAPE, *smoke_cadence] if args.smoke else []
