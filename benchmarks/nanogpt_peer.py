@@ -222,6 +222,7 @@ def train(args: argparse.Namespace, launched: float) -> dict[str, Any]:
         if iter_num % args.eval_interval == 0 and iter_num > 0:
             val_loss = estimate_loss()
             history.append([iter_num, val_loss])
+            print(f"step {iter_num}: val loss {val_loss:.4f}", flush=True)  # as nanoGPT prints it
             evaluated = time.time()
             checkpoint = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
                           "iter_num": iter_num, "best_val_loss": val_loss}
