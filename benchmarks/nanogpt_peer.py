@@ -22,6 +22,11 @@ validation split only (nanoGPT also estimates the train split's loss, which ligh
 does not) and not before the first step, and it stops after ``max_iters`` steps (nanoGPT's loop takes
 one more after the last evaluation). So 200 iterations with ``--eval-interval 100`` are 200 steps and 2
 evaluations, as ``fit`` with ``max_steps: 200`` and ``val_check_interval: 100``.
+
+``time_to_quality.py`` runs it with nanoGPT's own CPU recipe (``--recipe nanogpt``: the learning rates,
+warmup and beta2 of ``config/train_shakespeare_char.py`` with its CPU overrides), evaluates on fixed
+validation windows (``--val-starts``, the ones lightning_train's validation reads, instead of random
+ones) and stops after the evaluation that reaches ``--target``.
 """
 
 from __future__ import annotations
@@ -128,13 +133,20 @@ class PeerGPT(nn.Module):
         return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
 
 
-def configure_optimizer(model: nn.Module, device: torch.device, lr: float) -> torch.optim.AdamW:
+# name: (lr, min_lr, warmup_iters, beta2); "config": the default config's, "nanogpt": nanoGPT's CPU recipe
+# (config/train_shakespeare_char.py: lr 1e-3, min_lr 1e-4, warmup 100, beta2 0.99, decay to max_iters)
+RECIPES = {"config": (2e-3, 2e-4, 50, 0.95), "nanogpt": (1e-3, 1e-4, 100, 0.99)}
+
+
+def configure_optimizer(
+    model: nn.Module, device: torch.device, lr: float, beta2: float = 0.95
+) -> torch.optim.AdamW:
     """nanoGPT's ``configure_optimizers``: decay on 2+-dimensional parameters, fused on CUDA only."""
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
     extra = {"fused": True} if device.type == "cuda" else {}
-    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), **extra)
+    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, beta2), **extra)
 
 
 def batch_reader(path: Path, shape: dict[str, Any], device: torch.device):
@@ -153,6 +165,15 @@ def batch_reader(path: Path, shape: dict[str, Any], device: torch.device):
     return get_batch
 
 
+def fixed_batches(path: Path, shape: dict[str, Any], starts: list[int], device: torch.device):
+    """The validation batches at the token offsets ``starts``, in order and the same at every evaluation."""
+    batch_size, block_size = shape["batch_size"], shape["block_size"]
+    data = np.memmap(path, dtype=shape["dtype"], mode="r")
+    windows = torch.stack([torch.from_numpy(data[i : i + block_size + 1].astype(np.int64)) for i in starts])
+    batches = [windows[i : i + batch_size] for i in range(0, len(starts), batch_size)]
+    return [(b[:, :-1].contiguous().to(device), b[:, 1:].contiguous().to(device)) for b in batches]
+
+
 def cosine_lr(
     it: int, max_iters: int, lr: float = 2e-3, min_lr: float = 2e-4, warmup_iters: int = 50
 ) -> float:
@@ -169,20 +190,25 @@ def train(args: argparse.Namespace, launched: float) -> dict[str, Any]:
     device = torch.device(args.device)
     torch.manual_seed(1337)
     model = PeerGPT(shape).to(device)
-    optimizer = configure_optimizer(model, device, lr=2e-3)
+    lr, min_lr, warmup_iters, beta2 = RECIPES[args.recipe]
+    optimizer = configure_optimizer(model, device, lr=lr, beta2=beta2)
     if args.compile:
         model = torch.compile(model)
     scaler = torch.amp.GradScaler(device.type, enabled=False)  # fp32: nanoGPT's no-op scaler
     ctx = nullcontext()  # fp32: no autocast
     train_batch = batch_reader(args.train_bin, shape, device)
     val_batch = batch_reader(args.val_bin, shape, device)
+    fixed = None  # with --val-starts: the k-th batch of every evaluation is the k-th of these
+    if args.val_starts is not None:
+        starts = json.loads(args.val_starts.read_text())
+        fixed = fixed_batches(args.val_bin, shape, starts, device)[: args.eval_iters]
 
     @torch.no_grad()
     def estimate_loss() -> float:
         model.eval()
         losses = torch.zeros(args.eval_iters)
         for k in range(args.eval_iters):
-            X, Y = val_batch()
+            X, Y = val_batch() if fixed is None else fixed[k]
             with ctx:
                 losses[k] = model(X, Y).item()
         model.train()
@@ -190,11 +216,13 @@ def train(args: argparse.Namespace, launched: float) -> dict[str, Any]:
 
     seconds = {"startup": 0.0, "productive": 0.0, "validation": 0.0, "checkpoint": 0.0}
     X, Y = train_batch()
-    iter_num, mark, lossf, val_loss = 0, time.time(), None, None
+    iter_num, mark, lossf, val_loss, history = 0, time.time(), None, None, []
     seconds["startup"] = mark - launched
     while True:
         if iter_num % args.eval_interval == 0 and iter_num > 0:
             val_loss = estimate_loss()
+            history.append([iter_num, val_loss])
+            print(f"step {iter_num}: val loss {val_loss:.4f}", flush=True)  # as nanoGPT prints it
             evaluated = time.time()
             checkpoint = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
                           "iter_num": iter_num, "best_val_loss": val_loss}
@@ -203,10 +231,10 @@ def train(args: argparse.Namespace, launched: float) -> dict[str, Any]:
             seconds["validation"] += evaluated - mark
             seconds["checkpoint"] += saved - evaluated
             mark = saved
-        if iter_num == args.max_iters:
+        if iter_num == args.max_iters or (args.target is not None and history and val_loss <= args.target):
             break
         for group in optimizer.param_groups:
-            group["lr"] = cosine_lr(iter_num, args.max_iters)
+            group["lr"] = cosine_lr(iter_num, args.max_iters, lr, min_lr, warmup_iters)
         with ctx:
             loss = model(X, Y)
         X, Y = train_batch()  # the next batch, while the device works
@@ -222,7 +250,8 @@ def train(args: argparse.Namespace, launched: float) -> dict[str, Any]:
         now = time.time()
         seconds["productive"] += now - mark
         mark = now
-    return {"seconds": seconds, "steps": iter_num, "last_logged_loss": lossf, "val_loss": val_loss}
+    return {"seconds": seconds, "steps": iter_num, "last_logged_loss": lossf, "val_loss": val_loss,
+            "val_history": history}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -240,6 +269,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--log-interval", type=int, default=10)
     parser.add_argument("--compile", action="store_true")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--recipe", choices=list(RECIPES), default="config", help="LRs, warmup, beta2")
+    parser.add_argument("--val-starts", type=Path, help="JSON list of token offsets: fixed val windows")
+    parser.add_argument("--target", type=float, help="stop after the evaluation whose loss is <= this")
     args = parser.parse_args(argv)
     args.result.write_text(json.dumps(train(args, launched)))
 

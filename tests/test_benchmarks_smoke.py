@@ -225,3 +225,52 @@ def test_muon_smoke(tmp_path: Path) -> None:
     for row in ("optimizer step", "training step"):
         for clock in ("cpu", "wall"):
             check_comparison(payload["results"][row][clock], pairs=1)
+
+
+LITGPT_PYTHON = Path("/work/venv-litgpt/bin/python")  # time_to_quality.py's default
+
+
+def check_time_to_quality(payload: dict, systems: set[str]) -> None:
+    assert payload["benchmark"] == "time_to_quality" and payload["smoke"] is True
+    setup = payload["setup"]
+    assert (setup["val_batches"], setup["eval_every"], setup["lengths"]) == (2, 2, [2, 4])
+    assert set(payload["runs"]) == systems
+    n1, n2 = setup["lengths"]
+    tokens = setup["shape"]["batch_size"] * setup["shape"]["block_size"]
+    for name, [run] in payload["runs"].items():  # --smoke: one repeat
+        assert run["short"]["cpu"] > 0 and run["long"]["cpu"] > 0
+        assert run["cpu_per_step"] == pytest.approx((run["long"]["cpu"] - run["short"]["cpu"]) / (n2 - n1))
+        assert run["tokens_per_cpu_s"] == pytest.approx(tokens / run["cpu_per_step"])
+        assert not run["short"]["val"] and not run["long"]["val"]  # no validation in the throughput runs
+        steps = [step for step, _ in run["quality"]["val"]]
+        assert steps and steps == list(range(2, 2 * len(steps) + 1, 2)), (name, steps)  # every 2 steps
+        reached = [step for step, loss in run["quality"]["val"] if loss <= setup["target"]]
+        assert run["steps_to_target"] == (reached[0] if reached else None)
+        if name != "litgpt":  # ours and nanoGPT's loop stop at the target
+            assert steps[-1] == (reached[0] if reached else setup["max_steps"][name])
+    ours = payload["runs"]["lightning_train"][0]
+    for name, ratios in payload["results"]["ratios"].items():
+        theirs = payload["runs"][name][0]
+        assert ratios["tokens_per_cpu_s"]["median"] == pytest.approx(
+            ours["tokens_per_cpu_s"] / theirs["tokens_per_cpu_s"])
+
+
+@pytest.mark.slow  # ten processes: two throughput runs and a quality run of each system
+def test_time_to_quality_smoke_without_litgpt(tmp_path: Path) -> None:
+    """Ours and nanoGPT's loop, as on a machine without LitGPT's venv (CI)."""
+    out = tmp_path / "time_to_quality.json"
+    payload = run_smoke("time_to_quality.py", out, "--litgpt-python", str(tmp_path / "none"), timeout=600)
+    assert payload["setup"]["litgpt"] is False
+    check_time_to_quality(payload, {"lightning_train", "nanogpt, GPT-2 block", "nanogpt, same block"})
+
+
+@pytest.mark.slow  # thirteen processes
+def test_time_to_quality_smoke_with_litgpt(tmp_path: Path) -> None:
+    if not LITGPT_PYTHON.exists():
+        pytest.skip(f"no LitGPT venv at {LITGPT_PYTHON}: benchmarks/README.md says how to make one")
+    payload = run_smoke("time_to_quality.py", tmp_path / "time_to_quality.json", timeout=600)
+    systems = {"lightning_train", "litgpt", "nanogpt, GPT-2 block", "nanogpt, same block"}
+    check_time_to_quality(payload, systems)
+    # LitGPT pads the byte vocabulary (258) to 512 columns, all in its softmax: it starts near ln(512) = 6.24
+    first_loss = payload["runs"]["litgpt"][0]["quality"]["val"][0][1]
+    assert 5.8 < first_loss < 6.3
