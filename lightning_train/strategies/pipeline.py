@@ -205,6 +205,7 @@ def stage_model(model: nn.Module, blocks: Sequence[int], first: bool, last: bool
     stage = type(model).__new__(type(model))
     nn.Module.__init__(stage)  # hooks and children of its own (FSDP and TP register hooks on a stage)
     stage.config, stage.training = model.config, model.training
+    stage.init_seed = model.init_seed  # a stage materialised from the meta device draws the model's values
     for name in ("embed", "pos_embed", "rope", "dropout", "blocks", "norm", "lm_head"):  # GPT's children
         setattr(stage, name, getattr(model, name))
     kept = nn.ModuleList()
