@@ -30,7 +30,12 @@ def materialize(module: nn.Module, device: torch.device) -> None:
         if not any(t.is_meta for t in tensors):
             continue
         if all(t.is_meta for t in tensors):
-            child.to_empty(device=device)
+            tied = _tied_names(child)
+            child.to_empty(device=device)  # gives each name of a shared parameter a tensor of its own:
+            for first, *others in tied:  # tie them again (a tied embedding and lm_head)
+                for name in others:
+                    owner, _, leaf = name.rpartition(".")
+                    child.get_submodule(owner).register_parameter(leaf, child.get_parameter(first))
             _initialise(child)
         else:
             materialize(child, device)
@@ -40,6 +45,14 @@ def materialize(module: nn.Module, device: torch.device) -> None:
             f"{type(module).__name__} holds parameters or buffers of its own built on the meta device "
             f"({', '.join(left)}); build them in a child module, e.g. self.model in configure_model"
         )
+
+
+def _tied_names(module: nn.Module) -> list[list[str]]:
+    """The names of each parameter that ``module`` holds under several names."""
+    names: dict[int, list[str]] = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    return [group for group in names.values() if len(group) > 1]
 
 
 def _tensors(module: nn.Module) -> list[torch.Tensor]:
