@@ -15,11 +15,6 @@ from torch import nn
 from lightning_train.errors import UserInputError
 
 
-def has_meta_tensors(module: nn.Module) -> bool:
-    """Whether any parameter or buffer of ``module`` is still on the meta device."""
-    return any(t.is_meta for t in _tensors(module))
-
-
 @torch.no_grad()
 def materialize(module: nn.Module, device: torch.device) -> None:
     """Allocate the meta tensors under ``module`` (a LightningModule) on ``device``, a sharded parameter
