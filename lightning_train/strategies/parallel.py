@@ -10,11 +10,12 @@ first; data parallelism gets ``world_size / (tensor_parallel * pipeline_parallel
 one tensor-parallel group, and all stages of one pipeline, read the same batch.
 
 Lightning calls the LightningModule's ``configure_model`` under ``tensor_init_context``: on the meta
-device under every layout that may shard, on the root device for one process and ddp. ``setup`` checks the model once (``check_model``), then lays it out from outside: this rank's
-pipeline stages, tensor parallelism, activation checkpointing and FSDP2 (``parallelize.py``, which calls
-``pipeline.py`` and ``tensor_parallel.py``); then each rank materialises and initialises only its own
-shards (``initialize.materialize``: the GPT's weights are one process's from the same seed,
-``models.init``), then the pipeline schedule (``pipeline.Pipeline``) or DDP. Built on Lightning's plain
+device under every layout that may shard, on the root device for one process and ddp. ``setup`` checks
+the model once (``check_model``), then lays it out from outside: this rank's pipeline stages, tensor
+parallelism, activation checkpointing and FSDP2 (``parallelize.py``, which calls ``pipeline.py`` and
+``tensor_parallel.py``); then each rank materialises and initialises only its own shards
+(``initialize.materialize``: the GPT's weights are one process's from the same seed, ``models.init``),
+then the pipeline schedule (``pipeline.Pipeline``) or DDP. Built on Lightning's plain
 ``ParallelStrategy``, with three bases of its own for the rest: ``processes.py`` (the launcher, the
 process group and its collectives), ``checkpoints.py`` (sharded checkpoints) and ``steps.py`` (the step
 under model parallelism).
