@@ -17,6 +17,7 @@ from torch import nn
 
 from lightning_train.models.config import GPTConfig
 from lightning_train.models.generate import decode
+from lightning_train.models.init import draw_seed, seeded_normal_, tensor_seed
 from lightning_train.models.kv_cache import KVCache
 from lightning_train.models.layers import MLP, Attention, make_norm
 from lightning_train.models.rope import RotaryEmbedding
@@ -92,6 +93,8 @@ class GPT(nn.Module):
         if config.vocab_size is None:
             raise ValueError("GPTConfig.vocab_size is None; set it to the tokenizer's vocabulary size")
         self.config = config
+        # taken first: building the layers on a device draws from the global generator, on meta not
+        self.init_seed = draw_seed()
         self.embed = nn.Embedding(config.vocab_size, config.n_embd)
         self.pos_embed = (
             nn.Embedding(config.block_size, config.n_embd) if config.position == "learned" else None
@@ -113,18 +116,24 @@ class GPT(nn.Module):
 
     def init_weights(self) -> None:
         """Normal(0, init_std) weights, zero biases, and residual output projections scaled down by
-        sqrt(2 * n_layer) so the residual stream's variance does not grow with depth (GPT-2)."""
+        sqrt(2 * n_layer) so the residual stream's variance does not grow with depth (GPT-2).
+
+        Each weight is drawn from its own generator, seeded by ``init_seed`` and its name
+        (``models.init``), so a model built on the meta device and materialised shard by shard under
+        any layout (a strategy calls this after ``to_empty``) gets one process's values; meta
+        tensors are skipped."""
         std = self.config.init_std
         for name, module in self.named_modules():
             if isinstance(module, nn.Linear):
+                if self.config.tie_embeddings and name == "lm_head":  # the embedding's, drawn once
+                    continue
                 scaled = name.endswith(("attn.proj", "mlp.down"))
-                nn.init.normal_(
-                    module.weight, std=std / math.sqrt(2 * self.config.n_layer) if scaled else std
-                )
+                scaled_std = std / math.sqrt(2 * self.config.n_layer) if scaled else std
+                seeded_normal_(module.weight, scaled_std, tensor_seed(self.init_seed, f"{name}.weight"))
                 if module.bias is not None:
                     nn.init.zeros_(module.bias)
             elif isinstance(module, nn.Embedding):
-                nn.init.normal_(module.weight, std=std)
+                seeded_normal_(module.weight, std, tensor_seed(self.init_seed, f"{name}.weight"))
             elif isinstance(module, (nn.RMSNorm, nn.LayerNorm, RotaryEmbedding)):
                 module.reset_parameters()
 

@@ -135,12 +135,11 @@ class FinetuneModule(PretrainModule):
     # ---- building (PretrainModule.configure_model calls this, then applies float8, compile) ----
     def prepare_model(self, model: nn.Module) -> nn.Module:
         """Load ``init_from`` into the built network, add the LoRA adapters, freeze what is asked."""
-        if self._pretrained is not None:
-            if any(p.is_meta for p in model.parameters()):
-                self._weights_pending = True  # materialised later by the strategy; see on_fit_start
-            else:
-                load_into(model, self._pretrained.read_state_dict(), self._pretrained.source)
-                self._pretrained = None  # loaded: let the source's (memory-mapped) tensors go
+        # on the meta device: materialised later by the strategy, weights and adapters set in on_fit_start
+        self._weights_pending = any(p.is_meta for p in model.parameters())
+        if self._pretrained is not None and not self._weights_pending:
+            load_into(model, self._pretrained.read_state_dict(), self._pretrained.source)
+            self._pretrained = None  # loaded: let the source's (memory-mapped) tensors go
         if self.lora is not None:
             model = apply_lora(model, self.lora)
         self._freeze(model)
@@ -163,9 +162,16 @@ class FinetuneModule(PretrainModule):
             self._load_pending_weights()
 
     def _load_pending_weights(self) -> None:
-        """Load ``init_from`` into a model the strategy has materialised (and maybe sharded)."""
+        """Load ``init_from`` into a model the strategy has materialised (and maybe sharded), and start
+        the LoRA adapters afresh (the strategy initialised them as plain layers)."""
         if not self._weights_pending:
             return
+        if self._pretrained is not None:
+            self._load_full_state_dict()
+        reset_lora(self.model)  # A random, B zero: the model starts as it was loaded
+        self._weights_pending, self._pretrained = False, None
+
+    def _load_full_state_dict(self) -> None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
         model, state_dict = self.model, self._pretrained.read_state_dict()
@@ -178,8 +184,6 @@ class FinetuneModule(PretrainModule):
         # Our key names -> the model's (LoRA moved the adapted weights to `<layer>.base_layer`, split qkv).
         state_dict = to_adapted_names(state_dict, model)
         set_model_state_dict(model, state_dict, options=StateDictOptions(full_state_dict=True, strict=False))
-        reset_lora(model)  # the strategy's generic reset_parameters gave lora_B random values
-        self._weights_pending, self._pretrained = False, None
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Refuse, with the fix, a checkpoint whose adapters sit on other layers than this model's (a

@@ -178,7 +178,8 @@ class PretrainModule(L.LightningModule):
         names = getattr(datamodule, "source_names", None) or []
         if len(names) > 1 and self.val_source_loss is None:  # val/<source>/loss for each mixture source
             self.val_source_loss = nn.ModuleDict({name: MeanMetric() for name in names})
-        self.configure_model()  # so the model exists outside a Trainer too, e.g. in tests
+        if not attached_trainer(self):  # a Trainer calls configure_model next, under its strategy's contexts
+            self.configure_model()  # so the model exists outside a Trainer too, e.g. in tests
 
     def _fit_config_to(self, datamodule: Any) -> None:
         """Take the data's vocabulary size (padded) where the config has none; refuse data the model cannot

@@ -9,18 +9,22 @@ model parallelism. The mesh is ``parallelize.MESH_DIMS``, ``(pp, dp_replicate, d
 first; data parallelism gets ``world_size / (tensor_parallel * pipeline_parallel)`` ranks. All ranks of
 one tensor-parallel group, and all stages of one pipeline, read the same batch.
 
-The model is built by the LightningModule's ``configure_model`` on the root device exactly as in a
-single-process run (same seed, same initial weights). ``setup`` checks it once (``check_model``), then
-lays it out from outside: this rank's pipeline stages, tensor parallelism, activation checkpointing and
-FSDP2 (``parallelize.py``, which calls ``pipeline.py`` and ``tensor_parallel.py``), then the pipeline
-schedule (``pipeline.Pipeline``) or DDP. Built on Lightning's plain ``ParallelStrategy``, with three
-bases of its own for the rest: ``processes.py`` (the launcher, the process group and its collectives),
-``checkpoints.py`` (sharded checkpoints) and ``steps.py`` (the step under model parallelism).
+Lightning calls the LightningModule's ``configure_model`` under ``tensor_init_context``: on the meta
+device under every layout that may shard, on the root device for one process and ddp. ``setup`` checks
+the model once (``check_model``), then lays it out from outside: this rank's pipeline stages, tensor
+parallelism, activation checkpointing and FSDP2 (``parallelize.py``, which calls ``pipeline.py`` and
+``tensor_parallel.py``); then each rank materialises and initialises only its own shards
+(``initialize.materialize``: the GPT's weights are one process's from the same seed, ``models.init``),
+then the pipeline schedule (``pipeline.Pipeline``) or DDP. Built on Lightning's plain
+``ParallelStrategy``, with three bases of its own for the rest: ``processes.py`` (the launcher, the
+process group and its collectives), ``checkpoints.py`` (sharded checkpoints) and ``steps.py`` (the step
+under model parallelism).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
+from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from typing import Any, Literal, get_args
 
@@ -36,6 +40,7 @@ from lightning_train._compat import optimizers_to_device, set_device_mesh, sync_
 from lightning_train.errors import UserInputError
 from lightning_train.strategies.checkpoints import ShardedCheckpoints
 from lightning_train.strategies.generation import ShardedGenerator
+from lightning_train.strategies.initialize import materialize
 from lightning_train.strategies.memory import (
     GiB,
     choose_sharding,
@@ -319,6 +324,15 @@ class ParallelStrategy(ProcessGroup, ShardedCheckpoints, ModelParallelStep, pl.s
         return getattr(self.precision_plugin, "precision", "32-true")
 
     # ---- the model, laid out -------------------------------------------------------------------------
+    @contextmanager
+    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
+        """``configure_model`` builds on the meta device under every layout that may shard (fsdp, hsdp, tp,
+        pp, ``"auto"`` over several ranks): no rank ever holds the whole model, each materialises its own
+        shards in ``setup``. One process and ddp build on the device."""
+        on_meta = self.world_size > 1 and self.sharding != "ddp"
+        with super().tensor_init_context(empty_init), torch.device("meta") if on_meta else nullcontext():
+            yield  # meta innermost: it wins over the root device
+
     def setup(self, trainer: pl.Trainer) -> None:
         self.accelerator.setup(trainer)
         module = self.lightning_module
@@ -341,6 +355,8 @@ class ParallelStrategy(ProcessGroup, ShardedCheckpoints, ModelParallelStep, pl.s
             param_dtype=_LOW_PRECISION.get(self._precision_name), reduce_dtype=self.reduce_dtype,
             reshard_after_forward=self.reshard_after_forward, cpu_offload=self.cpu_offload,
         )
+        # built on meta (builds_on_meta): this rank's shards only, allocated and initialised now
+        materialize(module, torch.device("cpu") if self.cpu_offload else self.root_device)
         self.model_to_device()  # FSDP placed its shards; this moves the rest (e.g. metric states)
         if self.pipeline_parallel > 1:
             self.pipeline = Pipeline(

@@ -213,6 +213,7 @@ def stage_model(model: nn.Module, blocks: Sequence[int], first: bool, last: bool
     stage = type(model).__new__(type(model))
     nn.Module.__init__(stage)  # hooks and children of its own (FSDP and TP register hooks on a stage)
     stage.config, stage.training = model.config, model.training
+    stage.init_seed = model.init_seed  # a stage materialised from the meta device draws the model's values
     children = ("embed", "pos_embed", "rope", "local_rope", "dropout", "blocks", "norm", "lm_head")  # GPT's
     for name in children:
         setattr(stage, name, getattr(model, name))
