@@ -33,6 +33,7 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeR
 import lightning_train.data.object_storage as object_storage
 from lightning_train.data.bpe import TOKENIZER_FILE, check_tokenizer_choice, train_bpe
 from lightning_train.data.meta import FORMAT_VERSION, is_dataset_meta, tokenizer_spec
+from lightning_train.data.readers import FORMATS_HINT
 from lightning_train.data.sources import Piece, collect_files, iter_pieces, stdlib_sources
 from lightning_train.data.tokenizers import Tokenizer, load_tokenizer
 from lightning_train.errors import UserInputError
@@ -97,25 +98,29 @@ def prepare(
     output_dir: str | None = None,
     tokenizer: str = "byte",
     val_fraction: float = 0.01,
-    jsonl_field: str = "text",
+    text_field: str = "text",
     num_workers: int | None = None,
     shard_tokens: int = 50_000_000,
     overwrite: bool = False,
     train_tokenizer: str | None = None,
     vocab_size: int | None = None,
+    jsonl_field: str | None = None,
 ) -> PreparedDataset:
-    """Tokenize text files, folders and JSONL files into token shards in ``output_dir``; returns what it
-    wrote (``.output_dir`` is the dataset folder). Prints nothing but its progress bar.
+    """Tokenize text, JSONL, Parquet, Arrow, CSV files and folders into token shards in ``output_dir``;
+    returns what it wrote (``.output_dir`` is the dataset folder). Prints nothing but its progress bar.
 
     Args:
-        inputs: text files, folders (text-like files inside, recursively, sorted) and ``.jsonl`` files;
+        inputs: text files, folders (text-like files and files of the formats below inside, recursively,
+            sorted), JSONL (``.jsonl``, ``.jsonl.gz``, ``.jsonl.zst``), Parquet, Arrow (``.arrow``, IPC file
+            or stream) and CSV (a header row) files, and ``datasets`` folders (``save_to_disk``), each read
+            a line or a batch of rows at a time (``data/readers.py``), so memory stays flat in their size;
             None (left out): the default corpus, this Python's standard-library sources.
         output_dir: the dataset folder to create (required): not an input, nor a folder that holds
             one or lies inside one; written in a hidden sibling folder first and renamed into place at
             the end, so a failed ``prepare`` (a full disk among the causes) leaves nothing behind.
         tokenizer: ``"byte"`` or the path of a Hugging Face ``tokenizer.json`` (see ``load_tokenizer``).
         val_fraction: share of tokens held out for validation, in [0, 1).
-        jsonl_field: the field of each JSONL record that holds the document text.
+        text_field: the field (column) of each JSONL record or table row that holds the document text.
         num_workers: tokenizer processes, at most one per core this process may run on
             (``os.sched_getaffinity``): a larger number is lowered to that; ``None`` uses every such core,
             0 or 1 tokenizes in-process.
@@ -125,6 +130,7 @@ def prepare(
         train_tokenizer: ``"bpe"``: instead of ``tokenizer``, train a byte-level BPE of ``vocab_size``
             tokens on the inputs first (``data/bpe.py``), saved as ``tokenizer.json`` in ``output_dir``.
         vocab_size: the trained tokenizer's vocabulary (at least 258: the bytes, <|endoftext|>, <|pad|>).
+        jsonl_field: the older name of ``text_field``.
 
     Example (a folder of 20 small files; the progress bar's width and time vary, hence the ``...``):
 
@@ -156,7 +162,10 @@ def prepare(
     if inputs is None:
         inputs = [str(path) for path in stdlib_sources()]
     if not inputs:
-        raise UserInputError("inputs is empty; pass at least one text file, folder or JSONL file")
+        raise UserInputError(f"inputs is empty; pass at least one file or folder: {FORMATS_HINT}")
+    if jsonl_field is not None and text_field not in ("text", jsonl_field):
+        raise UserInputError(f"text_field={text_field!r} and jsonl_field (its older name) differ; drop one")
+    text_field = jsonl_field or text_field
     if not 0.0 <= val_fraction < 1.0:
         raise UserInputError(
             f"val_fraction={val_fraction} is outside [0, 1); use e.g. 0.01 for 1% validation"
@@ -184,7 +193,7 @@ def prepare(
     files = collect_files(inputs)
     if not files:
         raise UserInputError(
-            f"inputs {[str(i) for i in inputs]} contain no text files; pass text/JSONL files"
+            f"inputs {[str(i) for i in inputs]} contain no text files; pass {FORMATS_HINT}"
         )
 
     if remote is None:
@@ -194,9 +203,9 @@ def prepare(
     with staged(out, fix) as tmp:
         spec = tok.name if tok else TOKENIZER_FILE  # the trained one relative to the folder, which may move
         if train_tokenizer:
-            pieces = _with_bar(iter_pieces(files, jsonl_field), files, f"training {train_tokenizer}")
+            pieces = _with_bar(iter_pieces(files, text_field), files, f"training {train_tokenizer}")
             tok = load_tokenizer(str(train_bpe((piece.text for piece in pieces), vocab_size, tmp / spec)))
-        meta = _write_shards(tmp, tok, spec, files, val_fraction, jsonl_field, num_workers, shard_tokens)
+        meta = _write_shards(tmp, tok, spec, files, val_fraction, text_field, num_workers, shard_tokens)
         if meta["total_tokens"] == 0:
             raise UserInputError(
                 f"inputs {[str(i) for i in inputs]} contain no text (0 tokens); pass non-empty files"
@@ -221,7 +230,7 @@ def _write_shards(
     spec: str,
     files: list[Path],
     val_fraction: float,
-    jsonl_field: str,
+    text_field: str,
     num_workers: int,
     shard_tokens: int,
 ) -> dict[str, Any]:
@@ -239,7 +248,7 @@ def _write_shards(
         with Progress(*columns) as progress:
             total_bytes = sum(f.stat().st_size for f in files)
             task = progress.add_task("", total=total_bytes, tokens=0)
-            for piece, tokens in _encode_in_order(iter_pieces(files, jsonl_field), tok, num_workers):
+            for piece, tokens in _encode_in_order(iter_pieces(files, text_field), tok, num_workers):
                 total_tokens += len(tokens)
                 split = "val" if val_tokens + len(tokens) / 2 < val_fraction * total_tokens else "train"
                 if split == "val":
