@@ -198,14 +198,18 @@ def _csv_rows(path: Path, columns: Sequence[str]) -> Iterator[tuple[int, dict[st
     csv.field_size_limit(max(csv.field_size_limit(), CSV_FIELD_CHARS))  # a document is one field
     number, read = 0, 0
     with open(path, "rb") as raw:
-        text = io.TextIOWrapper(raw, encoding="utf-8", newline="")
+        lines = (line.decode("utf-8") for line in raw)  # decoded a line at a time: errors name their row
         try:
-            for number, row in enumerate(csv.DictReader(text), start=1):  # noqa: B007 - named in the error
+            for number, row in enumerate(csv.DictReader(lines), start=1):  # noqa: B007 - named in the error
                 position = raw.tell()
                 present = {name: row[name] for name in columns if row.get(name) is not None}
                 yield number, present, position - read
                 read = position
-        except (csv.Error, UnicodeDecodeError) as err:
+        except UnicodeDecodeError as err:
             raise UserInputError(
-                f"{path} row {number + 1}: not readable as UTF-8 CSV with a header row ({err}); fix that row"
+                f"{path} row {number + 1}: byte 0x{err.object[err.start]:02x} is not UTF-8; save it as UTF-8"
+            ) from err
+        except csv.Error as err:
+            raise UserInputError(
+                f"{path} row {number + 1}: not readable as CSV with a header row ({err}); fix that row"
             ) from err

@@ -46,9 +46,9 @@ def read_examples(
     path = Path(path).expanduser()
     files = dataset_files(path) if path.is_dir() else [path] if path.is_file() else None
     if not files:
-        what = "is a folder but no datasets folder" if path.is_dir() else "does not exist"
-        raise UserInputError(f"SFT data file {str(path)!r} {what}; pass a JSONL, Parquet, Arrow or CSV file "
-                             "or a datasets save_to_disk folder")
+        what = "is a folder (not a datasets save_to_disk folder)" if path.is_dir() else "does not exist"
+        raise UserInputError(f"SFT data file {str(path)!r} {what}; pass a JSONL file (.jsonl, .jsonl.gz, "
+                             ".jsonl.zst), a Parquet, Arrow or CSV file, or a datasets folder")
     fields = (prompt_field, response_field, messages_field)
     examples = []
     for file in files:

@@ -146,7 +146,7 @@ def _table_documents(path: Path, field: str) -> Iterator[tuple[str, bool, int]]:
 def _document(record: dict, field: str, where: str) -> str:
     text = record.get(field)
     if not isinstance(text, str):
-        got = "missing or null" if text is None else f"a {type(text).__name__}"
+        got = "missing or null" if text is None else f"of type {type(text).__name__}"
         raise UserInputError(
             f"{where} has no string field {field!r} ({got}); "
             "set text_field (jsonl_field, its older name) to the field that holds the text"
