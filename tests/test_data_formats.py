@@ -8,6 +8,7 @@ import csv
 import gzip
 import json
 import random
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -256,3 +257,16 @@ def test_sft_bad_rows_name_file_and_row(tmp_path: Path) -> None:
     (tmp_path / "folder").mkdir()
     with pytest.raises(UserInputError, match="is a folder \\(not a datasets save_to_disk folder\\)"):
         SFTDataModule(str(tmp_path / "folder"), tokenizer="byte").setup("fit")
+
+
+@pytest.mark.parametrize("kind, package", [("parquet", "pyarrow"), ("jsonl.zst", "zstandard")])
+def test_a_missing_extra_is_one_error_naming_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str,
+                                                package: str) -> None:
+    path = _write(kind, tmp_path, DOCS)
+    monkeypatch.setitem(sys.modules, package, None)  # as if not installed: its import raises ImportError
+    result = run_cli_in_process("prepare", "--inputs", f"[{path}]", "--output_dir", "out",
+                                "--text_field", "body", "--num_workers", "0", cwd=tmp_path)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert error_line(result) == (f"error: reading {path} needs the {package} package: "
+                                  "pip install 'lightning_train[formats]'")
+    assert not (tmp_path / "out").exists()
