@@ -270,3 +270,15 @@ def test_a_missing_extra_is_one_error_naming_it(tmp_path: Path, monkeypatch: pyt
     assert error_line(result) == (f"error: reading {path} needs the {package} package: "
                                   "pip install 'lightning_train[formats]'")
     assert not (tmp_path / "out").exists()
+
+
+def test_a_dataset_dict_folder_asks_for_one_split(tmp_path: Path) -> None:
+    splits = datasets.DatasetDict({"train": datasets.Dataset.from_list(DOCS),
+                                   "test": datasets.Dataset.from_list(DOCS[:5])})
+    splits.save_to_disk(str(tmp_path / "hf"))
+    with pytest.raises(UserInputError, match=r"holds a datasets DatasetDict \(splits \['test', 'train'\]\); "
+                                             r"pass one split's folder, e.g. .*hf/test"):
+        prepare([str(tmp_path / "hf")], str(tmp_path / "out"), text_field="body", num_workers=0)
+    prepared = prepare([str(tmp_path / "hf" / "train")], str(tmp_path / "out"), text_field="body",
+                       num_workers=0)
+    assert prepared.total_tokens == sum(len(row["body"].encode()) + 1 for row in DOCS)
