@@ -274,3 +274,15 @@ def test_time_to_quality_smoke_with_litgpt(tmp_path: Path) -> None:
     # LitGPT pads the byte vocabulary (258) to 512 columns, all in its softmax: it starts near ln(512) = 6.24
     first_loss = payload["runs"]["litgpt"][0]["quality"]["val"][0][1]
     assert 5.8 < first_loss < 6.3
+
+
+def test_prepare_throughput_smoke(tmp_path: Path) -> None:
+    payload = run_smoke("prepare_throughput.py", tmp_path / "prepare_throughput.json")
+    assert payload["benchmark"] == "prepare_throughput" and payload["smoke"] is True
+    corpora = {name.rsplit(", ", 1)[0] for name in payload["results"]}
+    assert len(corpora) == 3 and "default corpus" in corpora  # and two Parquet corpora of two sizes
+    for name, result in payload["results"].items():
+        assert result["prepare_mb_per_cpu_s"] > 0 and result["peak_rss_mb"] > 0 and result["tokens"] > 0
+        if name.endswith("bpe 8192"):
+            assert set(result["ceiling"]["mb_per_cpu_s"]) == {"encode_batch", "encode_batch_fast"}
+            assert result["ceiling_mb_per_cpu_s"] == max(result["ceiling"]["mb_per_cpu_s"].values()) > 0

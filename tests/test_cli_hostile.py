@@ -172,7 +172,7 @@ CASES: dict[str, Case] = {
         ["bad.jsonl:2 is not valid JSON", "one JSON object per line"]),
     "prepare JSONL without the text field": Case(
         ["prepare", "--inputs", "[sft.jsonl]", "--output_dir", "out", "--num_workers", "0"],
-        ["sft.jsonl:1 has no string field 'text'", "jsonl_field"]),
+        ["sft.jsonl:1 has no string field 'text'", "text_field"]),
     "prepare val_fraction not a number": Case(
         ["prepare", "--inputs", "[doc.txt]", "--output_dir", "out", "--val_fraction", "abc"],
         ["--val_fraction=abc", "a float"]),

@@ -195,11 +195,11 @@ def test_prepare_bad_inputs(tmp_path: Path):
         prepare([str(bad)], tmp_path / "out")
     assert f"{bad}:2" in str(err.value)
     bad.write_text('{"text": "fine"}\n\n{"body": "x"}\n')
-    with pytest.raises(UserInputError, match="jsonl_field") as err:
+    with pytest.raises(UserInputError, match="text_field") as err:
         prepare([str(bad)], tmp_path / "out")
     assert f"{bad}:3" in str(err.value) and "'text'" in str(err.value)
     bad.write_text('{"body": "fine"}\n')
-    assert prepare([str(bad)], tmp_path / "out", jsonl_field="body").output_dir.is_dir()
+    assert prepare([str(bad)], tmp_path / "out", text_field="body").output_dir.is_dir()
     with pytest.raises(UserInputError, match="val_fraction=1.0"):
         prepare([str(bad)], tmp_path / "out2", val_fraction=1.0)
     assert sorted(p.name for p in tmp_path.iterdir()) == [

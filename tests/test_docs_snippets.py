@@ -48,7 +48,7 @@ GIVEN: dict[str, Given] = {
          "--trainer.limit_val_batches=0"],
         ["export", "--checkpoint", "runs/finetune-tiny/checkpoints/last.ckpt", "--output", "exports/ft"],
     ]),
-    "docs/finetune.md#1": Given(cli=[  # the adapters section: a 2-step LoRA fine-tune, its base and adapters
+    "docs/finetune.md#2": Given(cli=[  # the adapters section: a 2-step LoRA fine-tune, its base and adapters
         ["fit", "--config", str(REPO / "configs" / "pretrain-tiny.yaml"), "--trainer.max_steps=2",
          "--trainer.limit_val_batches=0"],
         ["fit", "--config", str(REPO / "configs" / "finetune-tiny.yaml"), "--trainer.max_steps=2",

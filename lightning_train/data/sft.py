@@ -1,7 +1,9 @@
-"""``SFTDataModule``: supervised fine-tuning on prompt/response or chat JSONL, loss on responses only.
+"""``SFTDataModule``: supervised fine-tuning on prompt/response or chat examples, loss on responses only.
 
-Each line of a JSONL file is one example, either ``{"prompt": str, "response": str}`` or
-``{"messages": [{"role": "system"|"user"|"assistant", "content": str}, ...]}``. An example becomes
+Each line of a JSONL file (``.jsonl``, ``.jsonl.gz``, ``.jsonl.zst``), each row of a Parquet, Arrow or CSV
+file or of a ``datasets`` folder is one example, either ``{"prompt": str, "response": str}`` or
+``{"messages": [{"role": "system"|"user"|"assistant", "content": str}, ...]}`` (the field names are
+options: ``prompt_field``, ``response_field``, ``messages_field``). An example becomes
 ``prompt tokens + response tokens + eos``; the labels are the next tokens, with -100 wherever the next
 token belongs to a prompt, so only response tokens (and the eos that ends them) carry loss.
 
@@ -27,28 +29,40 @@ from torch.utils.data import Dataset
 
 from lightning_train.data.chat import ROLES, Segments, chat_segments
 from lightning_train.data.loading import ResumableDataModule, check_at_least, check_seed
+from lightning_train.data.readers import dataset_files, iter_lines, iter_rows, record_format
 from lightning_train.data.tasks import default_task_dir
 from lightning_train.data.tokenizers import Tokenizer, load_tokenizer
 from lightning_train.errors import UserInputError
 
 
-def read_examples(path: str | Path) -> list[Segments]:
-    """The examples of a JSONL file as segments; a malformed line is an error naming file and line."""
+def read_examples(
+    path: str | Path, prompt_field: str = "prompt", response_field: str = "response",
+    messages_field: str = "messages",
+) -> list[Segments]:
+    """The examples of a JSONL (``.jsonl``, ``.jsonl.gz``, ``.jsonl.zst``), Parquet, Arrow or CSV file or a
+    ``datasets`` folder as segments, read a line or a batch of rows at a time (``data/readers.py``); a
+    malformed example is an error naming file and line (or row). The fields name the prompt and response
+    columns, or the column of a chat's messages."""
     path = Path(path).expanduser()
-    if not path.is_file():
-        what = "is a folder" if path.is_dir() else "does not exist"
-        raise UserInputError(f"SFT data file {str(path)!r} {what}; pass a JSONL file")
+    files = dataset_files(path) if path.is_dir() else [path] if path.is_file() else None
+    if not files:
+        what = "is a folder (not a datasets save_to_disk folder)" if path.is_dir() else "does not exist"
+        raise UserInputError(f"SFT data file {str(path)!r} {what}; pass a JSONL file (.jsonl, .jsonl.gz, "
+                             ".jsonl.zst), a Parquet, Arrow or CSV file, or a datasets folder")
+    fields = (prompt_field, response_field, messages_field)
     examples = []
-    with path.open("rb") as lines:
-        for number, line in enumerate(lines, start=1):
-            if line.strip():
-                examples.append(_parse(line, f"{path}:{number}"))
+    for file in files:
+        if record_format(file) == "table":
+            examples += [_example(row, f"{file} row {n}", fields) for n, row, _ in iter_rows(file, fields)]
+        else:  # JSONL, compressed or not; a file of another suffix is read as JSONL too
+            lines = iter_lines(file)
+            examples += [_parse(line, f"{file}:{n}", fields) for n, line, _ in lines if line.strip()]
     if not examples:
         raise UserInputError(f"SFT data file {str(path)!r} holds no examples")
     return examples
 
 
-def _parse(line: bytes, where: str) -> Segments:
+def _parse(line: bytes, where: str, fields: tuple[str, str, str]) -> Segments:
     try:
         row = json.loads(line.decode("utf-8"))
     except UnicodeDecodeError as err:
@@ -57,9 +71,16 @@ def _parse(line: bytes, where: str) -> Segments:
         ) from err
     except ValueError as err:
         raise UserInputError(f"{where}: not valid JSON ({err}); write one JSON object a line") from err
-    if isinstance(row, dict) and isinstance(row.get("prompt"), str) and isinstance(row.get("response"), str):
-        return [(row["prompt"], False), (row["response"], True)]
-    messages = row.get("messages") if isinstance(row, dict) else None
+    return _example(row, where, fields)
+
+
+def _example(row: object, where: str, fields: tuple[str, str, str]) -> Segments:
+    prompt_field, response_field, messages_field = fields
+    if isinstance(row, dict) and isinstance(row.get(prompt_field), str) and isinstance(
+        row.get(response_field), str
+    ):
+        return [(row[prompt_field], False), (row[response_field], True)]
+    messages = row.get(messages_field) if isinstance(row, dict) else None
     if isinstance(messages, list) and messages:
         well_formed = all(
             isinstance(m, dict) and m.get("role") in ROLES and isinstance(m.get("content"), str)
@@ -73,8 +94,9 @@ def _parse(line: bytes, where: str) -> Segments:
             raise UserInputError(f"{where}: the last message must be the assistant's (it is what is trained)")
         return chat_segments(messages)
     raise UserInputError(
-        f'{where}: expected {{"prompt": str, "response": str}} or {{"messages": [...]}}, '
-        f"got keys {sorted(row) if isinstance(row, dict) else type(row).__name__}"
+        f'{where}: expected {{"{prompt_field}": str, "{response_field}": str}} or {{"{messages_field}": '
+        f"[...]}}, got keys {sorted(row) if isinstance(row, dict) else type(row).__name__}; set "
+        "prompt_field and response_field, or messages_field, to the data's fields"
     )
 
 
@@ -150,8 +172,11 @@ class SFTDataModule(ResumableDataModule):
     """Prompt/response or chat JSONL for fine-tuning (see the module docstring for the format).
 
     Args:
-        train_file: the training JSONL; None: the generated default task (``data/tasks.py``).
-        val_file: the validation JSONL; None: hold out ``val_fraction`` of ``train_file``.
+        train_file: the training examples: a JSONL (``.jsonl``, ``.jsonl.gz``, ``.jsonl.zst``), Parquet,
+            Arrow or CSV file or a ``datasets`` ``save_to_disk`` folder; None: the generated default task
+            (``data/tasks.py``).
+        val_file: the validation examples, in any of those formats; None: hold out ``val_fraction`` of
+            ``train_file``.
         tokenizer: ``"byte"`` or a ``tokenizer.json`` path (or model folder); None: the model's (a
             module's ``tokenizer_spec``, as FinetuneModule has), else ``"byte"``.
         seq_len: longest example in tokens; longer ones are truncated (with a warning).
@@ -168,6 +193,9 @@ class SFTDataModule(ResumableDataModule):
             parallelism every batch is padded to ``seq_len``: the stages take one shape); None: the Trainer's
             ``tensor_parallel`` size (sequence parallelism splits every sequence into that many parts),
             else 1. ``seq_len`` must divide by it.
+        prompt_field: the field (column) of an example's prompt text.
+        response_field: the field of its response text.
+        messages_field: the field of a chat's messages, for examples without prompt and response.
 
     Example (only the response and its eos carry loss):
 
@@ -202,6 +230,9 @@ class SFTDataModule(ResumableDataModule):
         seed: int = 1234,
         num_workers: int = 0,
         pad_to_multiple_of: int | None = None,
+        prompt_field: str = "prompt",
+        response_field: str = "response",
+        messages_field: str = "messages",
     ) -> None:
         super().__init__()
         if not 0 < val_fraction < 1:
@@ -247,9 +278,10 @@ class SFTDataModule(ResumableDataModule):
         if train_file is None:
             folder = default_task_dir()
             train_file, val_file = folder / "train.jsonl", folder / "val.jsonl"
-        train = read_examples(train_file)
+        fields = (self.hparams.prompt_field, self.hparams.response_field, self.hparams.messages_field)
+        train = read_examples(train_file, *fields)
         if val_file is not None:
-            val = read_examples(val_file)
+            val = read_examples(val_file, *fields)
         else:
             order = torch.randperm(len(train), generator=torch.Generator().manual_seed(self.seed)).tolist()
             held_out = set(order[: max(1, round(len(train) * self.hparams.val_fraction))])

@@ -35,6 +35,7 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeR
 import lightning_train.data.object_storage as object_storage
 from lightning_train.data.bpe import TOKENIZER_FILE, check_tokenizer_choice, train_bpe
 from lightning_train.data.meta import FORMAT_VERSION, is_dataset_meta, tokenizer_spec
+from lightning_train.data.readers import FORMATS_HINT
 from lightning_train.data.sources import Piece, collect_files, iter_pieces, stdlib_sources
 from lightning_train.data.split import Split, check_split_options
 from lightning_train.data.tokenizers import Tokenizer, load_tokenizer
@@ -100,7 +101,7 @@ def prepare(
     output_dir: str | None = None,
     tokenizer: str = "byte",
     val_fraction: float | None = None,
-    jsonl_field: str = "text",
+    text_field: str = "text",
     num_workers: int | None = None,
     shard_tokens: int = 50_000_000,
     overwrite: bool = False,
@@ -109,18 +110,21 @@ def prepare(
     val_inputs: list[str] | None = None,
     val_split: str = "spread",
 ) -> PreparedDataset:
-    """Tokenize text files, folders and JSONL files into token shards in ``output_dir``; returns what it
-    wrote (``.output_dir`` is the dataset folder). Prints nothing but its progress bar.
+    """Tokenize text, JSONL, Parquet, Arrow, CSV files and folders into token shards in ``output_dir``;
+    returns what it wrote (``.output_dir`` is the dataset folder). Prints nothing but its progress bar.
 
     Args:
-        inputs: text files, folders (text-like files inside, recursively, sorted) and ``.jsonl`` files;
+        inputs: text files, folders (text-like files and files of the formats below inside, recursively,
+            sorted), JSONL (``.jsonl``, ``.jsonl.gz``, ``.jsonl.zst``), Parquet, Arrow (``.arrow``, IPC file
+            or stream) and CSV (a header row) files, and ``datasets`` folders (``save_to_disk``), each read
+            a line or a batch of rows at a time (``data/readers.py``), so memory stays flat in their size;
             None (left out): the default corpus, this Python's standard-library sources.
         output_dir: the dataset folder to create (required): not an input, nor a folder that holds
             one or lies inside one; written in a hidden sibling folder first and renamed into place at
             the end, so a failed ``prepare`` (a full disk among the causes) leaves nothing behind.
         tokenizer: ``"byte"`` or the path of a Hugging Face ``tokenizer.json`` (see ``load_tokenizer``).
         val_fraction: share of tokens held out for validation, in [0, 1); None: 0.01 (0 with ``val_inputs``).
-        jsonl_field: the field of each JSONL record that holds the document text.
+        text_field: the field (column) of each JSONL record or table row that holds the document text.
         num_workers: tokenizer processes, at most one per core this process may run on
             (``os.sched_getaffinity``): a larger number is lowered to that; ``None`` uses every such core,
             0 or 1 tokenizes in-process.
@@ -166,7 +170,7 @@ def prepare(
     if inputs is None:
         inputs = [str(path) for path in stdlib_sources()]
     if not inputs:
-        raise UserInputError("inputs is empty; pass at least one text file, folder or JSONL file")
+        raise UserInputError(f"inputs is empty; pass at least one file or folder: {FORMATS_HINT}")
     val_fraction, val_inputs = check_split_options(val_fraction, val_split, val_inputs)
     if shard_tokens < 1:
         raise UserInputError(f"shard_tokens={shard_tokens} must be positive; the default is 50_000_000")
@@ -192,12 +196,12 @@ def prepare(
     files = collect_files(inputs)
     if not files:
         raise UserInputError(
-            f"inputs {[str(i) for i in inputs]} contain no text files; pass text/JSONL files"
+            f"inputs {[str(i) for i in inputs]} contain no text files; pass {FORMATS_HINT}"
         )
     val_files = collect_files(val_inputs) if val_inputs else []
     if val_inputs and not val_files:
         raise UserInputError(
-            f"val_inputs {[str(i) for i in val_inputs]} contain no text files; pass text/JSONL files"
+            f"val_inputs {[str(i) for i in val_inputs]} contain no text files; pass {FORMATS_HINT}"
         )
 
     if remote is None:
@@ -207,10 +211,10 @@ def prepare(
     with staged(out, fix) as tmp:
         spec = tok.name if tok else TOKENIZER_FILE  # the trained one relative to the folder, which may move
         if train_tokenizer:
-            pieces = _with_bar(iter_pieces(files, jsonl_field), files, f"training {train_tokenizer}")
+            pieces = _with_bar(iter_pieces(files, text_field), files, f"training {train_tokenizer}")
             tok = load_tokenizer(str(train_bpe((piece.text for piece in pieces), vocab_size, tmp / spec)))
         split = Split(val_fraction, val_split, sum(f.stat().st_size for f in files))
-        meta = _write_shards(tmp, tok, spec, files, val_files, split, jsonl_field, num_workers, shard_tokens)
+        meta = _write_shards(tmp, tok, spec, files, val_files, split, text_field, num_workers, shard_tokens)
         if meta["total_tokens"] == 0:
             raise UserInputError(
                 f"inputs {[str(i) for i in inputs]} contain no text (0 tokens); pass non-empty files"
@@ -237,7 +241,7 @@ def _write_shards(
     files: list[Path],
     val_files: list[Path],
     split: Split,
-    jsonl_field: str,
+    text_field: str,
     num_workers: int,
     shard_tokens: int,
 ) -> dict[str, Any]:
@@ -256,7 +260,7 @@ def _write_shards(
             total_bytes = sum(f.stat().st_size for f in files + val_files)
             task = progress.add_task("", total=total_bytes, tokens=0)
             for stream_files, split_of in streams:
-                pieces = iter_pieces(stream_files, jsonl_field)
+                pieces = iter_pieces(stream_files, text_field)
                 for piece, tokens in _encode_in_order(pieces, tok, num_workers):
                     writers[split_of(piece, tokens)].write_piece(tokens, piece)
                     written = sum(writer.num_tokens for writer in writers.values())  # with the eos marks
