@@ -9,16 +9,11 @@ model parallelism. The mesh is ``parallelize.MESH_DIMS``, ``(pp, dp_replicate, d
 first; data parallelism gets ``world_size / (tensor_parallel * pipeline_parallel)`` ranks. All ranks of
 one tensor-parallel group, and all stages of one pipeline, read the same batch.
 
-Lightning calls the LightningModule's ``configure_model`` under ``tensor_init_context``: on the meta
-device under every layout that may shard, on the root device for one process and ddp. ``setup`` checks
-the model once (``check_model``), then lays it out from outside: this rank's pipeline stages, tensor
-parallelism, activation checkpointing and FSDP2 (``parallelize.py``, which calls ``pipeline.py`` and
-``tensor_parallel.py``); then each rank materialises and initialises only its own shards
-(``initialize.materialize``: the GPT's weights are one process's from the same seed, ``models.init``),
-then the pipeline schedule (``pipeline.Pipeline``) or DDP. Built on Lightning's plain
-``ParallelStrategy``, with three bases of its own for the rest: ``processes.py`` (the launcher, the
-process group and its collectives), ``checkpoints.py`` (sharded checkpoints) and ``steps.py`` (the step
-under model parallelism).
+``configure_model`` runs under ``tensor_init_context``: on the meta device where a layout may shard,
+else on the root device. ``setup`` checks the model (``check_model``), lays it out from outside
+(``parallelize.py``: this rank's pipeline stages, TP, activation checkpointing, FSDP2), materialises and
+initialises this rank's shards only (``initialize.materialize``), then runs the pipeline schedule or DDP.
+Its bases: ``processes.py`` (launcher, process group), ``checkpoints.py``, ``steps.py``.
 """
 
 from __future__ import annotations
@@ -118,9 +113,8 @@ class ParallelStrategy(ProcessGroup, ShardedCheckpoints, ModelParallelStep, pl.s
             inside each node.
         reduce_dtype: FSDP gradient reduce-scatter dtype under mixed precision (``"float32"`` default).
         memory_budget_gb: per-device memory ``"auto"`` plans with (default: the device's memory).
-        tensor_parallel_plan: for a model of one's own (not the GPT): module-name patterns to ``colwise``,
-            ``rowwise`` or ``head`` (``plans.py``); None: the built-in plan of a
-            transformers Llama-like model.
+        tensor_parallel_plan: a model of one's own: module-name patterns to ``colwise``, ``rowwise`` or
+            ``head`` (``plans.py``); None: the built-in plan of a transformers Llama-like model.
         layer_classes: class names of the model's decoder layers (FSDP units, checkpointed, split by a
             pipeline); None: found from the model (``layers.decoder_layers``).
         process_group_backend, timeout: passed to ``torch.distributed.init_process_group``.
@@ -298,11 +292,8 @@ class ParallelStrategy(ProcessGroup, ShardedCheckpoints, ModelParallelStep, pl.s
         """sharding='auto' without model parallelism: ddp when a replica fits (``memory.choose_sharding``)."""
         datamodule = getattr(trainer, "datamodule", None)
         estimate = estimate_memory(
-            module,
-            shard_size=self.world_size // self.replicate_size,
-            batch_size=getattr(datamodule, "batch_size", None),
-            seq_len=getattr(datamodule, "seq_len", None),
-            activation_checkpointing=self.activation_checkpointing,
+            module, self.world_size // self.replicate_size, getattr(datamodule, "batch_size", None),
+            getattr(datamodule, "seq_len", None), activation_checkpointing=self.activation_checkpointing,
             activation_dtype=_LOW_PRECISION.get(self._precision_name, torch.float32),
         )
         budget = self.memory_budget_bytes()
@@ -326,9 +317,8 @@ class ParallelStrategy(ProcessGroup, ShardedCheckpoints, ModelParallelStep, pl.s
     # ---- the model, laid out -------------------------------------------------------------------------
     @contextmanager
     def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
-        """``configure_model`` builds on the meta device under every layout that may shard (fsdp, hsdp, tp,
-        pp, ``"auto"`` over several ranks): no rank ever holds the whole model, each materialises its own
-        shards in ``setup``. One process and ddp build on the device."""
+        """On the meta device wherever a layout may shard (fsdp, hsdp, tp, pp, ``"auto"`` over several ranks):
+        no rank holds the whole model; ``setup`` materialises its shards. One process and ddp: the device."""
         on_meta = self.world_size > 1 and self.sharding != "ddp"
         with super().tensor_init_context(empty_init), torch.device("meta") if on_meta else nullcontext():
             yield  # meta innermost: it wins over the root device
