@@ -44,16 +44,16 @@ OURS, LITGPT = "lightning_train", "litgpt"
 
 def corpus(overrides: list[str], folder: Path) -> dict[str, Any]:
     """The shape, token files, target and evaluation the config resolves to; writes ``val_starts.json``:
-    the token offsets of the windows our validation reads (its first ``limit_val_batches`` batches)."""
+    the token offsets of the windows our validation reads (``limit_val_batches`` batches, spread)."""
     shape, train_bin = peer_shape(overrides, "llama")
     with tempfile.TemporaryDirectory() as root:
         cli = build_cli(overrides, root, steps=1)
         data, trainer = cli.datamodule, cli.trainer
         data.setup("fit")
-        indices = data.val_set.indices if data.val_set.indices is not None else range(len(data.val_set))
         val_batches = int(trainer.limit_val_batches)
+        indices = spread(len(data.val_set), val_batches * shape["batch_size"])  # as val_loader picks them
         eval_every = int(trainer.val_check_interval)
-    starts = [int(i) * shape["block_size"] for i in list(indices)[: val_batches * shape["batch_size"]]]
+    starts = [int(i) * shape["block_size"] for i in indices]
     (folder / "val_starts.json").write_text(json.dumps(starts))
     config = yaml.safe_load((REPO / CONFIG).read_text())
     [target] = [c["init_args"]["target"] for c in config["trainer"]["callbacks"]

@@ -261,7 +261,7 @@ def batches(loader, n: int) -> list[torch.Tensor]:
 
 
 def test_batches_are_shifted_windows(dataset: Path):
-    dm = TextDataModule(str(dataset), seq_len=16, batch_size=4, val_batches=2)
+    dm = TextDataModule(str(dataset), seq_len=16, batch_size=4)
     batch = next(iter(dm.train_loader()))
     assert set(batch) == {"input_ids", "labels"}
     assert (
@@ -272,11 +272,19 @@ def test_batches_are_shifted_windows(dataset: Path):
     start = next(iter(dm.train_loader().sampler)) * 16
     assert batch["input_ids"][0].tolist() == tokens[start : start + 16].tolist()
     assert (dm.vocab_size, dm.eos_id, dm.max_token_id, dm.tokenizer.name) == (258, 256, 256, "byte")
-    # validation: the same fixed windows every time, at most val_batches batches
-    val = [b["input_ids"] for b in dm.val_loader()]
+    # validation: limit_val_batches=2 batches, the same fixed windows every time, spread over the split
+    val = [b["input_ids"] for b in dm.val_loader(limit_batches=2)]
     assert len(val) == 2 and all(
-        torch.equal(a, b["input_ids"]) for a, b in zip(val, dm.val_loader(), strict=True)
+        torch.equal(a, b["input_ids"]) for a, b in zip(val, dm.val_loader(limit_batches=2), strict=True)
     )
+    windows = len(dm.val_set)
+    val_tokens = read_split(dataset, "val")
+    starts = [i * windows // 8 * 16 for i in range(8)]  # 8 windows spread evenly, not the first 8
+    assert starts[-1] > 8 * 16
+    expected = [torch.from_numpy(val_tokens[s : s + 16].astype(np.int64)) for s in starts]
+    assert torch.equal(torch.cat(val), torch.stack(expected))
+    with pytest.raises(UserInputError, match="limit_val_batches=0.5"):
+        dm.val_loader(limit_batches=0.5)
 
 
 def test_same_seed_same_batches_other_seed_or_epoch_differs(dataset: Path):

@@ -41,7 +41,7 @@ def sources(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 
 def _data(sources: dict[str, str], **kwargs) -> TextDataModule:
     mixture = {sources["prose"]: 0.6, sources["code"]: 0.4}
-    return TextDataModule(mixture=mixture, **{"seq_len": 16, "batch_size": 8, "val_batches": 2, **kwargs})
+    return TextDataModule(mixture=mixture, **{"seq_len": 16, "batch_size": 8, **kwargs})
 
 
 def _rows(loader, batches: int) -> list[tuple[int, tuple[int, ...]]]:
@@ -105,7 +105,7 @@ def test_cli_logs_each_source_and_validates_on_each(tmp_path: Path, sources: dic
     result = run_cli(
         "fit", "--model", "PretrainModule", "--data", "TextDataModule", "--data.mixture", mixture,
         "--model.config", '{"n_layer": 1, "n_head": 2, "n_embd": 32, "block_size": 16}',
-        "--data.seq_len", "16", "--data.batch_size", "8", "--data.val_batches", "2",
+        "--data.seq_len", "16", "--data.batch_size", "8", "--trainer.limit_val_batches", "2",
         "--trainer.max_steps", "6", "--trainer.log_every_n_steps", "3", "--trainer.val_check_interval", "6",
         "--trainer.enable_progress_bar", "false", "--trainer.default_root_dir", str(tmp_path / "run"),
         cwd=tmp_path, timeout=240,

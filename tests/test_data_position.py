@@ -407,7 +407,7 @@ def test_the_position_moves_between_world_sizes(dataset: Path, tmp_path: Path, k
 
 def test_every_validation_starts_from_the_beginning(dataset: Path):
     """Lightning stops a validation after limit_val_batches; the next one reads the same batches again."""
-    loader = TextDataModule(str(dataset), seq_len=16, batch_size=4, val_batches=None).val_loader()
+    loader = TextDataModule(str(dataset), seq_len=16, batch_size=4).val_loader()
     first = take(iter(loader), 2)
     assert same(take(iter(loader), 2), first)
 

@@ -184,7 +184,7 @@ def test_a_sampler_that_can_jump_passes_over_the_same_batches(tmp_path):
     """TextDataModule's sampler jumps (``skip_batches``, which loads nothing) instead of the draw-and-drop
     fallback: the next batches are passed over all the same, and its position counts them."""
     def text_data() -> TextDataModule:
-        return TextDataModule(seq_len=16, batch_size=4, val_batches=1)  # the built-in corpus
+        return TextDataModule(seq_len=16, batch_size=4)  # the built-in corpus
 
     recovery = NaNRecovery(snapshot_every=4, max_consecutive_skips=2, skip_batches=3)
     fault = InjectFault("nan_loss", steps=[6, 7])

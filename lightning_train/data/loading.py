@@ -8,8 +8,9 @@ from collections.abc import Callable
 from typing import Any
 
 import lightning as L
+import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset
 
 from lightning_train.data.position import GlobalOrderSampler, ResumableLoader
 from lightning_train.errors import UserInputError
@@ -67,7 +68,8 @@ class ResumableDataModule(L.LightningDataModule):
         return accumulate
 
     def val_dataloader(self) -> DataLoader:
-        return self.val_loader(*data_parallel_rank(self.trainer))
+        limit = self.trainer.limit_val_batches if self.trainer is not None else 1.0
+        return self.val_loader(*data_parallel_rank(self.trainer), limit_batches=limit)
 
     # Loaders for an explicit rank (what the hooks above use)
     def train_loader(
@@ -100,15 +102,30 @@ class ResumableDataModule(L.LightningDataModule):
             **self._worker_kwargs(),
         )  # fmt: skip
 
-    def val_loader(self, rank: int = 0, world_size: int = 1) -> DataLoader:
+    def val_loader(self, rank: int = 0, world_size: int = 1, limit_batches: int | float = 1.0) -> DataLoader:
+        """The val split, or ``limit_batches`` batches a rank of it (the Trainer's ``limit_val_batches``, the
+        one knob of the validation size) spread evenly over the split: the same examples at every
+        validation, a sample of the whole split rather than its first batches."""
         self.setup()
         assert self.val_set is not None
+        if isinstance(limit_batches, float) and limit_batches not in (0.0, 1.0):
+            raise UserInputError(
+                f"limit_val_batches={limit_batches}: give the validation size as a number of batches a "
+                "device (an int, e.g. 10: spread over the val split), or 1.0 for the whole split"
+            )
+        val_set = self.val_set
+        if isinstance(limit_batches, int) and limit_batches * self.batch_size * world_size < len(val_set):
+            val_set = self.spread_val_set(limit_batches * self.batch_size * world_size)
         # Every validation starts from the beginning: a plain shard, whole and in order.
-        sampler = DistributedSampler(self.val_set, world_size, rank, shuffle=False, drop_last=True)
+        sampler = DistributedSampler(val_set, world_size, rank, shuffle=False, drop_last=True)
         return DataLoader(
-            self.val_set, batch_size=self.batch_size, sampler=sampler, collate_fn=self.collate(),
+            val_set, batch_size=self.batch_size, sampler=sampler, collate_fn=self.collate(),
             **self._worker_kwargs(),
         )  # fmt: skip
+
+    def spread_val_set(self, wanted: int) -> Dataset:
+        """``wanted`` (fewer than all) examples of the val split, spread evenly over it."""
+        return Subset(self.val_set, spread(len(self.val_set), wanted).tolist())
 
     def collate(self) -> Callable[[list[Any]], Any] | None:
         """How examples become a batch; None: torch's default (stacking)."""
@@ -125,6 +142,11 @@ class ResumableDataModule(L.LightningDataModule):
             "generator": torch.Generator().manual_seed(self.seed),  # see position.py's docstring
             **workers,
         }
+
+
+def spread(total: int, wanted: int) -> np.ndarray:
+    """``wanted`` indices of ``range(total)``, evenly spaced from 0."""
+    return np.arange(wanted) * total // max(wanted, 1)
 
 
 def data_parallel_rank(trainer: L.Trainer | None) -> tuple[int, int]:

@@ -19,10 +19,10 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, Subset
 
 from lightning_train.data.default_corpus import cache_dir, default_corpus_dir
-from lightning_train.data.loading import ResumableDataModule, check_at_least, check_seed
+from lightning_train.data.loading import ResumableDataModule, check_at_least, check_seed, spread
 from lightning_train.data.meta import read_meta, tokenizer_spec
 from lightning_train.data.mixture import LabeledSources, MixtureWindows
 from lightning_train.data.object_storage import local_dataset
@@ -32,8 +32,8 @@ from lightning_train.storage import is_remote
 
 
 class TokenWindows(Dataset):
-    """Windows of ``seq_len + 1`` tokens over shard files; item ``i`` is the ``i``-th window overall, or the
-    ``indices[i]``-th once ``indices`` picks a subset. Shards are memory-mapped lazily in each process."""
+    """Windows of ``seq_len + 1`` tokens over shard files; item ``i`` is the ``i``-th window overall. Shards
+    are memory-mapped lazily in each process."""
 
     def __init__(self, paths: list[Path], dtype: str, seq_len: int) -> None:
         self.paths, self.dtype, self.seq_len = paths, np.dtype(dtype), seq_len
@@ -41,14 +41,13 @@ class TokenWindows(Dataset):
         windows = [max(size - 1, 0) // seq_len for size in sizes]
         self.first_window = np.cumsum([0, *windows])  # window id where each shard starts
         self.num_windows = int(self.first_window[-1])
-        self.indices: np.ndarray | None = None
         self._maps: dict[int, np.memmap] = {}
 
     def __len__(self) -> int:
-        return self.num_windows if self.indices is None else len(self.indices)
+        return self.num_windows
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        window = int(i if self.indices is None else self.indices[i])
+        window = int(i)
         shard = int(np.searchsorted(self.first_window, window, side="right")) - 1
         start = (window - int(self.first_window[shard])) * self.seq_len
         if shard not in self._maps:
@@ -73,18 +72,20 @@ class TextDataModule(ResumableDataModule):
             on fewer or more devices keeps its batch. None: no change.
         seed: seeds the window order; epoch ``e`` uses the permutation for ``(seed, e)``.
         num_workers: data-loading processes per device (0 loads in the training process).
-        val_batches: validation batches (of ``batch_size`` windows, spread evenly over the val split and the
-            same every time); ``None`` uses every val window. With a mixture: per source.
         mixture: instead of ``data_dir``, prepared folders and their weights (``{"data/web": 0.7,
             "data/code": 0.3}``): batches drawn from the sources in those proportions, each source's
             epochs counted (``source_progress``); validation covers every source (``val/<name>/loss``
-            beside ``val/loss``). The sources must share a tokenizer.
+            beside ``val/loss``), an equal share of the Trainer's ``limit_val_batches`` each. The sources
+            must share a tokenizer.
+
+    The validation size is the Trainer's ``limit_val_batches`` (batches a device), spread evenly over the
+    val split and the same windows at every validation.
 
     Example (the default corpus; ``prepare`` makes a dataset folder of your own text):
 
         >>> import torch
         >>> from lightning_train import TextDataModule
-        >>> data = TextDataModule(seq_len=16, batch_size=4, val_batches=2)
+        >>> data = TextDataModule(seq_len=16, batch_size=4)
         >>> data.setup("fit")
         >>> batch = next(iter(data.train_dataloader()))
         >>> batch["input_ids"].shape, batch["input_ids"].dtype
@@ -93,7 +94,7 @@ class TextDataModule(ResumableDataModule):
         True
         >>> data.vocab_size, data.tokenizer.decode(batch["input_ids"][0].tolist()) != ""
         (258, True)
-        >>> len(data.val_dataloader())  # the same 2 batches at every validation
+        >>> len(data.val_loader(limit_batches=2))  # Trainer(limit_val_batches=2): the same 2 each time
         2
     """
 
@@ -105,7 +106,6 @@ class TextDataModule(ResumableDataModule):
         global_batch_size: int | None = None,
         seed: int = 1234,
         num_workers: int = 0,
-        val_batches: int | None = 20,
         mixture: dict[str, float] | None = None,
     ) -> None:
         super().__init__()
@@ -114,15 +114,11 @@ class TextDataModule(ResumableDataModule):
             ("global_batch_size", 1 if global_batch_size is None else global_batch_size, 1),
         )
         check_seed(seed)
-        if val_batches is not None and val_batches < 1:
-            raise UserInputError(
-                f"val_batches={val_batches} must be at least 1, or None for the whole val split"
-            )
         self.mixture = _check_mixture(mixture, data_dir)
         self.save_hyperparameters()
         self.data_dir, self.seq_len, self.batch_size = data_dir, seq_len, batch_size
         self.global_batch_size = global_batch_size
-        self.seed, self.num_workers, self.val_batches = seed, num_workers, val_batches
+        self.seed, self.num_workers = seed, num_workers
         self._meta: dict[str, Any] | None = None
         self._metas: dict[str, dict[str, Any]] | None = None  # per mixture source
         self.train_set: TokenWindows | None = None
@@ -211,7 +207,7 @@ class TextDataModule(ResumableDataModule):
                 f"seq_len={self.seq_len} is too long for {folder}: its longest train shard has {longest} "
                 f"tokens, so use seq_len <= {max(longest - 1, 1)}"
             )
-        self.train_set, self.val_set = train_set, self._limited(self._windows(folder, meta, "val"))
+        self.train_set, self.val_set = train_set, self._windows(folder, meta, "val")
 
     def _setup_mixture(self) -> None:
         train, val = [], []
@@ -224,7 +220,7 @@ class TextDataModule(ResumableDataModule):
                     "or drop the source"
                 )
             train.append(windows)
-            val.append(self._limited(self._windows(path, meta, "val")))
+            val.append(self._windows(path, meta, "val"))
         self.train_set = MixtureWindows(train, list(self.mixture.values()), self.seed)
         self.val_set = LabeledSources(val)
 
@@ -232,11 +228,13 @@ class TextDataModule(ResumableDataModule):
         kind = "mixture draws" if self.mixture is not None else "windows"
         return f"{len(self.train_set)} {kind} of seq_len={self.seq_len}"
 
-    def _limited(self, val_set: TokenWindows) -> TokenWindows:
-        if self.val_batches is not None:
-            wanted = min(self.val_batches * self.batch_size, val_set.num_windows)
-            val_set.indices = np.arange(wanted) * val_set.num_windows // max(wanted, 1)  # evenly spread
-        return val_set
+    def spread_val_set(self, wanted: int) -> Dataset:
+        """With a mixture, an equal share of ``wanted`` from each source: each keeps its val loss."""
+        if not isinstance(self.val_set, LabeledSources):
+            return super().spread_val_set(wanted)
+        share = max(wanted // len(self.val_set.sources), 1)
+        sources = self.val_set.sources
+        return LabeledSources([Subset(s, spread(len(s), min(share, len(s))).tolist()) for s in sources])
 
     def _resolve_dir(self) -> Path:
         if self.mixture is not None:

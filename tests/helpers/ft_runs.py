@@ -47,7 +47,7 @@ def write_config(folder: Path, data_dir: Path, devices: int = 1, callbacks: tupl
                        "dropout": 0.1},
             "warmup_steps": 2, "learning_rate": 0.01}},
         "data": {"class_path": "lightning_train.TextDataModule",
-                 "init_args": {"data_dir": str(data_dir), "seq_len": 16, "batch_size": 4, "val_batches": 3}},
+                 "init_args": {"data_dir": str(data_dir), "seq_len": 16, "batch_size": 4}},
     }
     path = folder / "config.yaml"
     path.write_text(yaml.safe_dump(config))
