@@ -18,7 +18,7 @@ import pytest
 
 from lightning_train.data import prepare
 from lightning_train.models.gpt import GPTConfig
-from tests.helpers.tiny_runs import TINY
+from tests.helpers.tiny_runs import TINY, sentences
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -157,3 +157,12 @@ def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (folder / "docs.jsonl").write_text("\n".join(lines) + "\n")
     tokens = prepare([str(folder / "docs.jsonl")], str(folder / "tokens"), val_fraction=0.2, num_workers=0)
     return tokens.output_dir
+
+
+@pytest.fixture
+def dataset(tmp_path: Path) -> Path:
+    """~4k byte tokens of English sentences prepared in ``tmp_path``: 240 train windows of 16 tokens (60
+    batches of 4), some val windows."""
+    src = tmp_path / "src.jsonl"
+    src.write_text("".join(json.dumps({"text": d}) + "\n" for d in sentences(30)))
+    return prepare([str(src)], tmp_path / "data", val_fraction=0.1, num_workers=0).output_dir

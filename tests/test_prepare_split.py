@@ -11,7 +11,7 @@ from lightning_train.data import prepare, read_meta
 from lightning_train.data.tokenizers import ByteTokenizer
 from lightning_train.errors import UserInputError
 from tests.conftest import run_cli_in_process
-from tests.test_data import read_split
+from tests.helpers.tiny_runs import read_split
 
 EOS = "<|endoftext|>"
 

@@ -3,6 +3,9 @@ validation), a logger that keeps every call, and the small data-position helpers
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import lightning as L
 import numpy as np
 import torch
@@ -79,3 +82,11 @@ class Recorder(L.LightningModule):
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def read_split(folder: Path, split: str) -> np.ndarray:
+    """The tokens of one split of a prepared dataset folder, its shards in order."""
+    meta = json.loads((folder / "meta.json").read_text())
+    files = [s["file"] for s in meta["shards"] if s["split"] == split]
+    return np.concatenate([np.fromfile(folder / f, dtype=meta["dtype"]) for f in files] or [np.zeros(0, int)])
+
