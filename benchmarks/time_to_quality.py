@@ -37,6 +37,8 @@ from common import REPO, base_parser, machine_info, print_table, ratio_cell, sum
 from throughput import SMOKE_SHAPE, build_cli, peer_shape
 from whole_process import CONFIG, PEER, package_env, timed_process
 
+from lightning_train.data.loading import spread
+
 LITGPT_PYTHON = Path("/work/venv-litgpt/bin/python")
 PEERS = {"nanogpt, GPT-2 block": "gpt2", "nanogpt, same block": "llama"}
 OURS, LITGPT = "lightning_train", "litgpt"
