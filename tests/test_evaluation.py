@@ -127,6 +127,13 @@ def test_evaluate_help_imports_not_even_torch(tmp_path):
     assert imported(["evaluate", "--help"], tmp_path, (*HEAVY, "torch", "lm_eval")) == []
 
 
+def test_evaluate_runs_without_lightning_or_torchmetrics(work):
+    """(lm_eval imports transformers itself, to record its version in the results.)"""
+    args = ["evaluate", "--checkpoint", str(work / "last.ckpt"), "--tasks", "tiny_choice", "--include_path",
+            str(work / "tasks"), "--bootstrap_iters", "0"]
+    assert imported(args, work, ("lightning", "torchmetrics", "lm_eval")) == ["lm_eval"]
+
+
 def logged(folder: Path) -> dict[int, dict[str, float]]:
     """metrics.csv's ``eval/*`` values by step."""
     with open(folder / "metrics.csv") as file:
