@@ -22,6 +22,7 @@ from lightning_train.checkpoint import export
 from lightning_train.evaluation import LightningTrainLM, run_tasks, task_metrics
 from lightning_train.evaluation.harness import task_manager
 from tests.conftest import REPO, run_cli, run_cli_in_process
+from tests.helpers.ft_runs import sharded_two_rank_checkpoint
 from tests.helpers.lm_eval_tasks import TASKS, write_tasks
 from tests.test_startup import HEAVY, imported
 
@@ -178,6 +179,14 @@ def test_callback_refuses_a_sharded_model(process_group):
         DownstreamEval(["tiny_choice"], every_n_steps=1).on_fit_start(trainer(), module)
 
 
+def test_callback_without_a_tokenizer_is_refused_when_the_fit_starts():
+    module = PretrainModule(CONFIG)
+    module.configure_model()
+    with pytest.raises(UserInputError, match=r"found no tokenizer: the data module has no `tokenizer`; pass "
+                                             r"DownstreamEval\(tokenizer=...\)"):
+        DownstreamEval(["tiny_choice"], every_n_steps=1).on_fit_start(trainer(), module)
+
+
 @pytest.mark.slow
 def test_callback_under_ddp_gathers_every_ranks_share(work, tmp_path):
     """Two ranks each score half the documents; rank 0 logs the scores of them all: those of the run's
@@ -205,3 +214,22 @@ def test_callback_under_ddp_gathers_every_ranks_share(work, tmp_path):
     expected = {f"eval/{name}": value for name, value in task_metrics(
         run_tasks(final, TASKS, str(work / "tasks"))).items()}
     assert list(values.values()) == [pytest.approx(expected, rel=1e-6)]
+
+
+@pytest.mark.slow
+def test_a_sharded_checkpoint_scores_as_its_export_does_in_hf(work, tmp_path):
+    """An FSDP run's sharded folder, read whole into the one process of ``evaluate``, scores what lm_eval's
+    HF backend scores on the folder ``export`` writes of it."""
+    config = {"vocab_size": 258, "block_size": 64, "n_layer": 2, "n_head": 2, "n_embd": 32}
+    folder = sharded_two_rank_checkpoint(tmp_path, config, max_steps=3)
+    export(str(folder), str(tmp_path / "hf"))
+    done = run_cli_in_process("evaluate", "--checkpoint", str(folder), "--tasks", ",".join(TASKS),
+                              "--include_path", str(work / "tasks"), "--bootstrap_iters", "0",
+                              "--output", "scores", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    ours = json.loads((tmp_path / "scores" / "results.json").read_text())
+    theirs = lm_eval.simple_evaluate(
+        model="hf", model_args=f"pretrained={tmp_path / 'hf'},dtype=float32", batch_size=1, device="cpu",
+        tasks=TASKS, task_manager=task_manager(TASKS, str(work / "tasks")), bootstrap_iters=0,
+    )
+    assert task_metrics(ours) == pytest.approx(task_metrics(theirs), rel=1e-5)

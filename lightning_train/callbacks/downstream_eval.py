@@ -84,11 +84,13 @@ class DownstreamEval(Callback):
         self.batch_size, self.max_gen_toks = batch_size, max_gen_toks
         self.last_step = 0  # the optimizer step of the latest evaluation (saved in checkpoints)
         self.last_metrics: dict[str, float] = {}  # its scores, on rank 0
+        self._tokenizer: Any = None  # the spec or Tokenizer the evaluations use, found when the fit starts
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         from lightning_train.evaluation.harness import task_manager
 
-        task_manager(self.tasks, self.include_path)  # lm_eval installed, the tasks known: before training
+        if stage == "fit":  # lm_eval installed and the tasks known before training, not at step N
+            task_manager(self.tasks, self.include_path)
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         from torch.distributed.tensor import DTensor
@@ -109,6 +111,12 @@ class DownstreamEval(Callback):
                 "or pipeline parallelism); train with DDP or one device, or score the run's checkpoints with "
                 "`python -m lightning_train evaluate --checkpoint ...`"
             )
+        self._tokenizer = self.tokenizer or getattr(trainer.datamodule, "tokenizer", None)
+        if self._tokenizer is None:
+            raise UserInputError(
+                "DownstreamEval found no tokenizer: the data module has no `tokenizer`; pass "
+                "DownstreamEval(tokenizer=...), e.g. 'byte' or the path of a tokenizer.json"
+            )
 
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -127,10 +135,7 @@ class DownstreamEval(Callback):
         from lightning_train.evaluation.harness import run_tasks, task_metrics
         from lightning_train.evaluation.lm_eval_model import LightningTrainLM
 
-        tokenizer = self.tokenizer or getattr(trainer.datamodule, "tokenizer", None)
-        if tokenizer is None:
-            raise UserInputError("DownstreamEval found no tokenizer on the data module; pass tokenizer=...")
-        lm = LightningTrainLM(pl_module.model, tokenizer, self.batch_size, self.max_gen_toks)
+        lm = LightningTrainLM(pl_module.model, self._tokenizer, self.batch_size, self.max_gen_toks)
         python_state, numpy_state = random.getstate(), np.random.get_state()
         devices = [pl_module.device] if pl_module.device.type == "cuda" else []
         try:
