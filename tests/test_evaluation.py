@@ -118,6 +118,10 @@ def test_evaluate_refuses_bad_options_in_one_line(work, tmp_path):
     bad = run_cli_in_process("evaluate", "--checkpoint", str(work / "last.ckpt"), "--tasks", "tiny_choice",
                              "--batch_size", "0", cwd=tmp_path)
     assert (bad.returncode, bad.stderr) == (2, "error: --batch_size 0 --max_gen_toks 256: use ints >= 1\n")
+    with pytest.raises(UserInputError, match=r"model_args \['bogus', 'checkpoint'\]: unknown \['bogus'\]; "):
+        LightningTrainLM.create_from_arg_string(f"checkpoint={work / 'last.ckpt'},bogus=1")
+    with pytest.raises(UserInputError, match=r"model_args \['batch_size'\]: no checkpoint; pass "):
+        LightningTrainLM.create_from_arg_string("batch_size=2")
     with pytest.raises(UserInputError, match=r"generation_kwargs \['num_beams'\] are not supported"):
         LightningTrainLM.from_checkpoint(str(work / "last.ckpt"))._generation_options({"num_beams": 4})
     with pytest.raises(UserInputError, match="max_gen_toks=64 leaves no room for a context"):

@@ -18,6 +18,7 @@ Inputs of one batch are padded on the right: the model is causal, so padding cha
 from __future__ import annotations
 
 import contextlib
+import inspect
 import json
 from collections import defaultdict
 from collections.abc import Iterator
@@ -114,15 +115,15 @@ class LightningTrainLM(TemplateLM):
         extra = {k: v for k, v in (additional_config or {}).items() if v is not None}
         extra.pop("max_batch_size", None)
         arguments = {**arg_dict, **extra}
-        if "checkpoint" not in arguments:
-            raise UserInputError("model_args names no checkpoint; pass model_args='checkpoint=PATH'")
-        try:
-            return cls.from_checkpoint(**arguments)
-        except TypeError as error:
+        accepted = set(inspect.signature(cls.from_checkpoint).parameters)
+        unknown = sorted(set(arguments) - accepted)
+        if unknown or "checkpoint" not in arguments:
+            problem = f"unknown {unknown}" if unknown else "no checkpoint"
             raise UserInputError(
-                f"model_args {sorted(arguments)}: {error}; LightningTrainLM.from_checkpoint lists the "
-                "accepted ones"
-            ) from error
+                f"model_args {sorted(arguments)}: {problem}; pass model_args='checkpoint=PATH' and any of "
+                f"{sorted(accepted - {'checkpoint'})}"
+            )
+        return cls.from_checkpoint(**arguments)
 
     # ---- what TemplateLM asks of a model ----------------------------------------------------------------
     @property
