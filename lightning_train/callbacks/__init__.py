@@ -1,6 +1,7 @@
 """Training-health callbacks; each works in any Lightning Trainer."""
 
 from lightning_train.callbacks.data_mixture import DataMixtureMonitor
+from lightning_train.callbacks.downstream_eval import DownstreamEval
 from lightning_train.callbacks.global_batch import GlobalBatch
 from lightning_train.callbacks.goodput import GoodputMonitor
 from lightning_train.callbacks.grad_norm import GradNormMonitor
@@ -20,6 +21,7 @@ from lightning_train.errors import TrainingAborted  # its home is errors.py; doc
 
 __all__ = [
     "DataMixtureMonitor",
+    "DownstreamEval",
     "GlobalBatch",
     "GoodputMonitor",
     "GradNormMonitor",

@@ -33,6 +33,7 @@ SUBCOMMANDS = {
 TOOLS = {
     "prepare": "Tokenize text files into token shards for training.",
     "generate": "Print a model's completions of prompts.",
+    "evaluate": "Score a checkpoint on lm-evaluation-harness tasks.",
     "export": "Export a checkpoint as a Hugging Face model folder or peft adapters.",
     "consolidate": "The older name of `export --format safetensors`.",
     "report": "Plot a run's metrics to PNGs and report.html.",
