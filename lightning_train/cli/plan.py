@@ -67,7 +67,7 @@ def describe(path: Path, result: Any) -> str:
         ("gradients", result.grad_bytes, None),
         ("optimizer state (AdamW)", result.optimizer_bytes, None),
         ("model states", result.state_bytes, estimate and estimate.state_bytes),
-        ("gathered blocks (FSDP)", result.gathered_bytes, estimate and estimate.gathered_bytes),
+        ("FSDP buffers", result.fsdp_buffer_bytes, estimate and estimate.gathered_bytes),
         ("activations (estimated)", result.activation_bytes, estimate and estimate.activation_bytes),
         ("total", result.total_bytes, estimate and estimate.total_bytes),
     ]
@@ -80,7 +80,7 @@ def describe(path: Path, result: Any) -> str:
     ]
     for name, measured, planned in rows:
         planned_text = "" if planned is None else format_bytes(planned)
-        lines.append(f"  {name:<25}{format_bytes(measured):>12}{planned_text:>12}")
+        lines.append(f"  {name:<25}{format_bytes(measured):>12}{planned_text:>12}".rstrip())
     difference = result.difference()
     lines.append(
         "  the planner has no estimate for a model that is not the GPT under tp or pp" if difference is None

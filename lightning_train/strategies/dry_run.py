@@ -49,7 +49,7 @@ class DryRun:
     param_bytes: int  # this rank's shards of the parameters, as laid out
     grad_bytes: int  # their gradients (sharded as the parameters)
     optimizer_bytes: int  # AdamW's state after a step on them
-    gathered_bytes: int  # FSDP's all-gathered blocks: the largest unit, twice (computing + prefetched)
+    fsdp_buffer_bytes: int  # FSDP2's unsharded buffers at a unit's backward (``_fsdp_buffer_bytes``)
     estimate: LayoutEstimate | None  # the same pipeline rank's; None where the planner has none
 
     @property
@@ -63,7 +63,7 @@ class DryRun:
 
     @property
     def total_bytes(self) -> int:
-        return self.state_bytes + self.gathered_bytes + self.activation_bytes
+        return self.state_bytes + self.fsdp_buffer_bytes + self.activation_bytes
 
     def difference(self) -> float | None:
         """The planner's total relative to this rank's (0.02: the planner counts 2% more)."""
@@ -176,14 +176,19 @@ def dry_run(
         )
         coordinates = dict(zip(MESH_DIMS, (int(i) for i in mesh.get_coordinate()), strict=True))
         states = _states_after_a_step(module)
-        gathered = 0
+        buffers = 0
         if fsdp_mesh is not None and shard_size > 1:
             units = transformer_blocks(module, strategy.layer_classes)[1]
-            gathered = 2 * max(_unsharded_bytes(unit, mesh["dp_shard"].size(), param_dtype) for unit in units)
+            # at the largest unit's backward FSDP2 holds unsharded: its parameters and the next unit's
+            # (prefetched) in the compute dtype, its gradients in that dtype, and their copy in reduce_dtype
+            # that is reduce-scattered
+            largest = max(_unsharded_numel(unit, mesh["dp_shard"].size()) for unit in units)
+            compute = param_dtype or next(module.parameters()).dtype
+            buffers = largest * (3 * compute.itemsize + strategy.reduce_dtype.itemsize)
     return DryRun(
         world_size, rank, coordinates, _layout(strategy, sharding, data_parallel, replicate), num_params,
         _held(module, num_layers), states["param_bytes"], states["grad_bytes"], states["optimizer_bytes"],
-        gathered, planned,
+        buffers, planned,
     )
 
 
@@ -198,13 +203,10 @@ def _states_after_a_step(module: nn.Module) -> dict[str, int]:
     return measured_state_bytes(module, optimizer)
 
 
-def _unsharded_bytes(unit: nn.Module, shards: int, dtype: torch.dtype | None) -> int:
-    """Bytes of ``unit``'s parameters once FSDP all-gathers them over ``shards`` ranks (padding included)."""
-    total = 0
-    for param in unit.parameters():
-        local = param.to_local() if hasattr(param, "to_local") else param
-        total += local.numel() * shards * (dtype.itemsize if dtype is not None else local.element_size())
-    return total
+def _unsharded_numel(unit: nn.Module, shards: int) -> int:
+    """Elements of ``unit``'s parameters once FSDP all-gathers them over ``shards`` ranks (padding
+    included; tensor-parallel shards stay split)."""
+    return sum((p.to_local() if hasattr(p, "to_local") else p).numel() * shards for p in unit.parameters())
 
 
 def _layout(strategy: ParallelStrategy, sharding: str, data_parallel: int, replicate: int) -> str:
