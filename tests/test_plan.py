@@ -66,8 +66,9 @@ def test_every_rank_holds_its_share_of_the_model():
     assert not torch.distributed.is_initialized()  # the fake group is left behind
 
 
-def test_the_405b_plan_prints_the_rank_beside_the_planner(tmp_path):
-    result = run_cli_in_process("plan", "--config", str(CONFIGS / "llama3-405b-3d.yaml"), cwd=tmp_path)
+def test_the_405b_plan_prints_the_rank_beside_the_planner():
+    # run from the repository as the docs show it (plan writes nothing)
+    result = run_cli_in_process("plan", "--config", "configs/llama3-405b-3d.yaml", cwd=REPO)
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     assert lines[0].endswith("rank 128 of 2048 (pp 1, dp_replicate 0, dp_shard 0, tp 0)")
@@ -80,6 +81,8 @@ def test_the_405b_plan_prints_the_rank_beside_the_planner(tmp_path):
     ]
     assert len(rows["total"]) == 3  # this rank's and the planner's
     assert lines[-1].startswith("  the planner's total is ")
+    docs = (REPO / "docs" / "strategies.md").read_text()
+    assert f"```text\n{result.stdout}```" in docs  # docs/strategies.md shows this printout as it is
 
 
 @pytest.mark.parametrize("name", ["llama3-70b-3d.yaml", "llama3-405b-3d.yaml"])
