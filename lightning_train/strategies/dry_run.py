@@ -95,6 +95,22 @@ def dry_run(
     Raises ``UserInputError`` (one line naming the value and the fix) for a layout that does not divide
     the world or the model, ``"auto"`` sizes (they are chosen from the devices' memory when fit starts),
     or a rank outside the world.
+
+    Example (rank 5 of 16 ranks, fsdp 2 x tp 4 x pp 2; 2 nodes of 8):
+
+        >>> from lightning_train import GPTConfig, PretrainModule
+        >>> from lightning_train.strategies import ParallelStrategy
+        >>> from lightning_train.strategies.dry_run import dry_run
+        >>> module = PretrainModule(GPTConfig(vocab_size=256, n_layer=4, n_head=4, n_embd=64))
+        >>> strategy = ParallelStrategy(tensor_parallel=4, pipeline_parallel=2, sharding="fsdp")
+        >>> run = dry_run(module, strategy, world_size=16, devices_per_node=8, rank=5, batch_size=4,
+        ...               seq_len=64, precision="bf16-mixed")
+        >>> run.coordinates, run.held
+        ({'pp': 0, 'dp_replicate': 0, 'dp_shard': 1, 'tp': 1}, 'embed, blocks 0-1 of 4')
+        >>> run.state_bytes == run.estimate.state_bytes, f"{run.difference():+.1%}"  # FSDP buffers differ
+        (True, '-4.5%')
+        >>> next(module.parameters()).device  # nothing was allocated
+        device(type='meta')
     """
     tp, pp, sharding = strategy.tensor_parallel, strategy.pipeline_parallel, strategy.sharding
     given_tp = "auto" if strategy.auto_layout else tp
