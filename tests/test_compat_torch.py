@@ -147,6 +147,17 @@ def test_process_group_store():
         dist.destroy_process_group()
 
 
+def test_fake_process_group():
+    """Rank 5 of 512 ranks in one process: a mesh over all of them, collectives that return without
+    peers, and the group gone on leaving."""
+    with _compat.fake_process_group(rank=5, world_size=512):
+        assert (dist.get_rank(), dist.get_world_size()) == (5, 512)
+        mesh = dist.device_mesh.init_device_mesh("cpu", (64, 8), mesh_dim_names=("dp", "tp"))
+        assert mesh["tp"].get_local_rank() == 5 and mesh["dp"].get_local_rank() == 0
+        dist.all_reduce(torch.ones(2))  # no peer answers, none is waited for
+    assert not dist.is_initialized()
+
+
 # ---- torch: Muon ------------------------------------------------------------------------------------------
 def test_muon_orthogonalise_and_adjusted_lr():
     group = torch.optim.Muon([torch.nn.Parameter(torch.zeros(2, 2))]).param_groups[0]

@@ -5,7 +5,8 @@ from __future__ import annotations
 import atexit
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, NoReturn
 
 if TYPE_CHECKING:
@@ -114,6 +115,23 @@ def process_group_store() -> Any | None:
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         return None
     return torch.distributed.distributed_c10d._get_default_store()
+
+
+@contextmanager
+def fake_process_group(rank: int, world_size: int) -> Iterator[None]:
+    """This process as rank ``rank`` of a default process group of ``world_size`` ranks that do not exist:
+    torch's ``"fake"`` backend over ``torch.testing._internal.distributed.fake_pg.FakeStore`` (private,
+    torch 2.1-2.13; no public alternative), whose collectives return at once without data. Meshes,
+    DTensors and FSDP2 on the meta device lay a model out as that rank would (the dry run:
+    ``strategies/dry_run.py``); the group is destroyed on leaving."""
+    import torch
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # its import registers "fake"
+
+    torch.distributed.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        torch.distributed.destroy_process_group()
 
 
 def forward_only_v_schedule(stages: Sequence[Any], microbatches: int) -> Any:

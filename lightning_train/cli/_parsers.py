@@ -38,6 +38,7 @@ TOOLS = {
     "consolidate": "The older name of `export --format safetensors`.",
     "report": "Plot a run's metrics to PNGs and report.html.",
     "dashboard": "Save a run's W&B dashboard and its JSON spec.",
+    "plan": "Print one rank's memory under a config's full layout.",
 }
 
 

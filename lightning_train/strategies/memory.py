@@ -219,9 +219,11 @@ def estimate_layout(
     activation_dtype: torch.dtype = torch.float32,
     state_dtype: torch.dtype | None = None,
     loss_parallel: bool = True,
+    pipeline_rank: int | None = None,
 ) -> LayoutEstimate:
     """Per-device bytes of ``model`` (a ``GPT`` for ``tensor_parallel`` or ``pipeline_parallel`` > 1; the
-    meta device will do) trained with AdamW under one layout: the pipeline rank that holds the most.
+    meta device will do) trained with AdamW under one layout: the pipeline rank that holds the most, or
+    ``pipeline_rank``'s (the dry run's rank: ``dry_run.py``).
 
     Model states: what the rank's stage(s) hold (``split_blocks``' balanced split; a tied embedding on
     the first and the last stage), every matrix divided by ``tensor_parallel`` (norm weights and biases
@@ -241,6 +243,8 @@ def estimate_layout(
     fullest = None
     ranks = _pipeline_ranks(model, transformer, p, virtual_stages, schedule)
     for rank, (part, blocks, last) in enumerate(ranks):
+        if pipeline_rank is not None and rank != pipeline_rank:
+            continue
         params = {id(param): param for param in part.parameters()}.values()  # tied weights count once
         state = sum(_state_bytes(param, state_dtype, t) for param in params) / shard_size
         gathered = 0.0

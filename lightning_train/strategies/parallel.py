@@ -54,6 +54,7 @@ from lightning_train.strategies.parallelize import (
     keep_own_stages,
     parallelize_model,
     register_comm_hook,
+    sharding_mesh,
     tied_embedding_group,
 )
 from lightning_train.strategies.pipeline import Pipeline
@@ -223,14 +224,8 @@ class ParallelStrategy(ProcessGroup, ShardedCheckpoints, ModelParallelStep, pl.s
 
     @property
     def fsdp_mesh(self) -> DeviceMesh | None:
-        """The mesh FSDP shards over: 2-D (dp_replicate, dp_shard) for HSDP, else dp_shard (None: model
-        parallelism only, nothing to shard over)."""
-        mesh = self.device_mesh
-        if mesh["dp_replicate"].size() > 1:
-            return mesh["dp_replicate", "dp_shard"]
-        if mesh["dp_shard"].size() > 1 or self.tensor_parallel * self.pipeline_parallel == 1:
-            return mesh["dp_shard"]
-        return None
+        """The mesh FSDP shards over (``parallelize.sharding_mesh``)."""
+        return sharding_mesh(self.device_mesh, self.tensor_parallel * self.pipeline_parallel > 1)
 
     # ---- the layout: checked, planned ----------------------------------------------------------------
     def _configure_launcher(self) -> None:

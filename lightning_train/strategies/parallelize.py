@@ -5,7 +5,7 @@
   divide the world (before any process starts); ``check_model_layout``: a model or batch the layout cannot
   split (the strategy's one check of the model);
 - ``build_mesh``: the one mesh every layout uses, ``MESH_DIMS`` = ``(pp, dp_replicate, dp_shard, tp)``,
-  outermost first;
+  outermost first; ``sharding_mesh``: the part of it FSDP shards over;
 - ``keep_own_stages``: this rank's pipeline stages in place of the GPT; ``parallelize_model``: tensor
   parallelism, activation checkpointing, then FSDP2 (``apply_fsdp``: each block, then the root);
   ``tied_embedding_group``: the group whose gradients a tied embedding sums; ``register_comm_hook``: a DDP
@@ -200,6 +200,16 @@ def build_mesh(
     data_parallel = world_size // (tensor_parallel * pipeline_parallel)
     shape = (pipeline_parallel, replicate_size, data_parallel // replicate_size, tensor_parallel)
     return init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)
+
+
+def sharding_mesh(mesh: DeviceMesh, model_parallel: bool) -> DeviceMesh | None:
+    """The part of a ``build_mesh`` mesh FSDP shards over: 2-D (dp_replicate, dp_shard) for HSDP, else
+    dp_shard (None: model parallelism with no data-parallel ranks left to shard over)."""
+    if mesh["dp_replicate"].size() > 1:
+        return mesh["dp_replicate", "dp_shard"]
+    if mesh["dp_shard"].size() > 1 or not model_parallel:
+        return mesh["dp_shard"]
+    return None
 
 
 def transformer_blocks(

@@ -30,7 +30,7 @@ from lightning_train.strategies.memory import LayoutEstimate, estimate_layout, f
 from lightning_train.strategies.parallelize import find_transformer
 
 # precision: (activation dtype, model-state dtype; None: the parameters' own, fp32 master weights)
-_PRECISION_DTYPES = {
+PRECISION_DTYPES = {
     "bf16-mixed": (torch.bfloat16, None),
     "16-mixed": (torch.float16, None),
     "bf16-true": (torch.bfloat16, torch.bfloat16),
@@ -134,7 +134,7 @@ def plan_layout(
         )
     model = _meta_model(model) if isinstance(model, GPTConfig) else model
     config = getattr(find_transformer(model), "config", None)
-    activation_dtype, state_dtype = _PRECISION_DTYPES.get(precision, (torch.float32, None))
+    activation_dtype, state_dtype = PRECISION_DTYPES.get(precision, (torch.float32, None))
     smallest: LayoutPlan | None = None
     for sharding, tp, pp, micro in _candidates(
         config, world_size, devices_per_node, batch_size, seq_len, replicate_size, microbatches,
