@@ -28,7 +28,9 @@ TOKENIZER_FILES = (
 
 class Tokenizer(Protocol):
     """What the data modules, ``prepare`` and generation need of a tokenizer (``ByteTokenizer``,
-    ``HFTokenizer`` or one of your own with these attributes and methods).
+    ``HFTokenizer``, ``TransformersTokenizer`` or one of your own with these attributes and methods; one
+    that renders chats itself has ``TransformersTokenizer``'s ``chat_template``, ``render_chat`` and
+    ``encode_chat`` too: ``data/chat.py``).
 
     Example:
 
