@@ -32,21 +32,21 @@ TINY_GPT = "GPTConfig(vocab_size=258, block_size=128, n_layer=4, n_head=4, n_emb
 
 @dataclass
 class Given:
-    """What the docs around a snippet presume: CLI runs to make first, code to run before it, the
-    number of devices it needs."""
+    """What the docs around a snippet presume: a snippet that makes the CLI runs' inputs (run first, in a
+    process of its own), CLI runs to make first, code to run before it, the number of devices it needs."""
 
     cli: list[list[str]] = field(default_factory=list)
     prelude: str = ""
     cuda_devices: int = 0
+    inputs: str = ""
 
 
 GIVEN: dict[str, Given] = {
-    "README.md#2": Given(cli=[  # the fine-tune section's export, of a 2-step pretraining and fine-tune
-        ["fit", "--config", str(REPO / "configs" / "pretrain-tiny.yaml"), "--trainer.max_steps=2",
-         "--trainer.limit_val_batches=0"],
-        ["fit", "--config", str(REPO / "configs" / "finetune-tiny.yaml"), "--trainer.max_steps=2",
-         "--trainer.limit_val_batches=0"],
-        ["export", "--checkpoint", "runs/finetune-tiny/checkpoints/last.ckpt", "--output", "exports/ft"],
+    "README.md#2": Given(inputs="docs/finetune.md#3", cli=[  # the open-model section: a 2-step LoRA fine-tune
+        ["fit", "--config", str(REPO / "configs" / "finetune-tiny.yaml"), "--run_name", "qwen",
+         "--model.init_from", "qwen2-tiny", "--model.lora.rank", "8", "--data.init_args.train_file",
+         "chats.jsonl", "--trainer.max_steps=2", "--trainer.limit_val_batches=0"],
+        ["export", "--checkpoint", "runs/qwen/checkpoints/last.ckpt", "--output", "exports/qwen"],
     ]),
     "docs/finetune.md#2": Given(cli=[  # the adapters section: a 2-step LoRA fine-tune, its base and adapters
         ["fit", "--config", str(REPO / "configs" / "pretrain-tiny.yaml"), "--trainer.max_steps=2",
@@ -96,6 +96,11 @@ def test_snippet_runs(name: str, tmp_path: Path) -> None:
     if torch.cuda.device_count() < given.cuda_devices:
         pytest.skip(f"needs {given.cuda_devices} CUDA devices, this machine has {torch.cuda.device_count()}")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
+    if given.inputs:
+        (tmp_path / "inputs.py").write_text(SNIPPETS[given.inputs])
+        made = subprocess.run([sys.executable, "inputs.py"], cwd=tmp_path, env=env, capture_output=True,
+                              text=True, timeout=300)
+        assert made.returncode == 0, f"setting up {name}: {given.inputs}\n{made.stdout}{made.stderr}"
     for args in given.cli:  # in this process: what the snippet reads, not how a process starts
         setup = run_cli_in_process(*args, cwd=tmp_path)
         assert setup.returncode == 0, f"setting up {name}: {args}\n{setup.stdout}{setup.stderr}"

@@ -25,7 +25,13 @@ import torch
 from torch import nn
 
 from lightning_train.data.bpe import byte_level_bpe
-from lightning_train.data.tokenizers import ByteTokenizer, HFTokenizer, load_tokenizer
+from lightning_train.data.tokenizers import (
+    TOKENIZER_FILES,
+    ByteTokenizer,
+    HFTokenizer,
+    is_transformers_folder,
+    load_tokenizer,
+)
 from lightning_train.errors import UserInputError
 from lightning_train.models.gpt import GPT, GPTConfig
 from lightning_train.models.hf import hf_config
@@ -45,8 +51,8 @@ EXPORT_MARK = {"written_by": "lightning_train"}
 METADATA = {"format": "pt", **EXPORT_MARK}
 # Files an export may have written; --overwrite replaces these and leaves anything else in the folder.
 EXPORT_FILES = re.compile(
-    r"(config|generation_config|tokenizer|tokenizer_config|special_tokens_map|adapter_config)\.json"
-    r"|(model(-\d+-of-\d+)?|adapter_model)\.safetensors|model\.safetensors\.index\.json"
+    r"(config|generation_config|adapter_config)\.json|(model(-\d+-of-\d+)?|adapter_model)\.safetensors"
+    r"|model\.safetensors\.index\.json|" + "|".join(map(re.escape, TOKENIZER_FILES))
 )
 
 
@@ -140,19 +146,30 @@ def _write_weights(weights: dict[str, torch.Tensor], output_dir: Path, max_shard
 
 
 def _tokenizer_ids(tokenizer: str | None) -> dict[str, int]:
-    """bos/eos/pad ids for config.json and generation_config.json (bos = eos: a document follows an
-    end of text, as in GPT-2)."""
+    """bos/eos/pad ids for config.json and generation_config.json: a model folder's tokenizer's bos, else
+    bos = eos (a document follows an end of text, as in GPT-2)."""
     if tokenizer is None:
         return {}
     loaded = load_tokenizer(tokenizer)
-    return {"bos_token_id": loaded.eos_id, "eos_token_id": loaded.eos_id, "pad_token_id": loaded.pad_id}
+    bos = getattr(loaded, "bos_id", None)  # only a model folder's tokenizer (TransformersTokenizer) has one
+    return {"bos_token_id": loaded.eos_id if bos is None else bos, "eos_token_id": loaded.eos_id,
+            "pad_token_id": loaded.pad_id}
 
 
 def save_tokenizer(spec: str, output_dir: Path, block_size: int) -> list[Path]:
     """Write the tokenizer named by ``spec`` so that ``transformers.AutoTokenizer`` loads it from
-    ``output_dir``: the byte tokenizer built as a ``tokenizers`` tokenizer; an HF (or trained BPE)
-    tokenizer.json copied, with its tokenizer_config.json and special_tokens_map.json when they sit
-    beside it. Returns the files written."""
+    ``output_dir``: the byte tokenizer built as a ``tokenizers`` tokenizer; a model folder's tokenizer
+    files copied (``TOKENIZER_FILES``: tokenizer.json or tokenizer.model, its config, chat template, ...);
+    an HF (or trained BPE) tokenizer.json copied, with its tokenizer_config.json and
+    special_tokens_map.json when they sit beside it. Returns the files written."""
+    folder = Path(spec).expanduser()
+    if spec != "byte" and is_transformers_folder(folder):
+        names = [name for name in TOKENIZER_FILES if (folder / name).is_file()]
+        for name in names:
+            shutil.copyfile(folder / name, output_dir / name)
+        return [output_dir / name for name in names]
+    if spec != "byte" and folder.is_dir():  # a bare tokenizer.json: as its file, with a config written
+        spec = str(folder / TOKENIZER_FILE)
     if spec == "byte":
         (output_dir / TOKENIZER_FILE).write_text(byte_tokenizer_json(), encoding="utf-8")
         names = ByteTokenizer.special_tokens
@@ -162,7 +179,6 @@ def save_tokenizer(spec: str, output_dir: Path, block_size: int) -> list[Path]:
         from tokenizers import Tokenizer
 
         source = Path(spec).expanduser()
-        source = source / TOKENIZER_FILE if source.is_dir() else source
         written = []
         for name in (TOKENIZER_FILE, "special_tokens_map.json", TOKENIZER_CONFIG_FILE):
             if (source.parent / name).is_file() or name == TOKENIZER_FILE:

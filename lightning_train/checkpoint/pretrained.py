@@ -33,7 +33,7 @@ from lightning_train.checkpoint.model_folder import (
     read_gpt_config,
 )
 from lightning_train.data.meta import tokenizer_spec
-from lightning_train.data.tokenizers import ByteTokenizer
+from lightning_train.data.tokenizers import ByteTokenizer, folder_tokenizer
 from lightning_train.errors import CorruptCheckpointError, UserInputError
 from lightning_train.models.gpt import GPT, GPTConfig
 from lightning_train.models.hf import config_from_hf
@@ -109,7 +109,8 @@ def open_pretrained(
       (needs ``config``);
     - a ``.safetensors`` file with a ``config.json`` beside it (or ``config``), or the folder of both
       (what ``save_safetensors`` writes);
-    - a local Hugging Face GPT-2 / Llama folder (``config.json`` + safetensors, ``tokenizer.json``);
+    - a local Hugging Face folder of a family in docs/models.md (``config.json`` + safetensors, its
+      tokenizer: ``tokenizer.json`` or ``tokenizer.model``);
     - an ``s3://`` URL of one of our checkpoints (file or folder): downloaded once and verified against its
       manifest (``remote.local_checkpoint``).
     """
@@ -121,9 +122,11 @@ def open_pretrained(
         raise UserInputError(
             f"weights source {str(source)!r} does not exist; pass a .ckpt, .safetensors or model folder"
         )
-    tokenizer_json = (path if path.is_dir() else path.parent) / "tokenizer.json"
-    tokenizer = str(tokenizer_json) if tokenizer_json.is_file() else None
-    if tokenizer and is_byte_tokenizer(tokenizer_json):  # our byte tokenizer, exported: "byte" again
+    folder = path if path.is_dir() else path.parent
+    # a Hugging Face model's folder: its tokenizer (with its chat template) as transformers reads it
+    hf_model = path.is_dir() and not is_our_export(path) and not is_sharded_checkpoint(path)
+    tokenizer = folder_tokenizer(folder, hf_model)
+    if tokenizer and is_byte_tokenizer(folder / "tokenizer.json"):  # our byte tokenizer, exported: "byte"
         tokenizer = "byte"
     if path.is_dir() and is_our_export(path):
         path = path / MODEL_FILE

@@ -31,8 +31,9 @@ def generate(
         max_new_tokens: longest completion.
         temperature: 0 is greedy; higher samples more freely.
         top_k: sample only among the k likeliest tokens.
-        chat: wrap each prompt as a user message of the SFT chat template.
-        tokenizer: "byte" or a tokenizer.json path; None: the checkpoint's.
+        chat: wrap each prompt as a user message of the SFT chat template: the model's own (a model folder's
+            chat template), else the plain-text one.
+        tokenizer: "byte", a tokenizer.json path or a model folder; None: the checkpoint's.
         use_cache: decode with the KV cache (faster; same tokens).
         seed: seeds the sampling.
         allow_pickle: read pickle-format checkpoints (with torch.load(weights_only=True)).
@@ -70,17 +71,21 @@ def generate(
     pretrained = open_pretrained(checkpoint, allow_pickle=allow_pickle)
     spec = tokenizer or pretrained.tokenizer
     if spec is None:
-        raise UserInputError(f"{checkpoint!r} names no tokenizer; pass --tokenizer byte or a tokenizer.json")
+        raise UserInputError(
+            f"{checkpoint!r} names no tokenizer; pass --tokenizer byte, a tokenizer.json or a model folder"
+        )
     tok = load_tokenizer(spec)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if tensor_parallel * pipeline_parallel > 1:
         model = _sharded(pretrained.build(), tensor_parallel, pipeline_parallel)
     else:
         model = pretrained.build().to(device)
-    if chat:
-        prompts = [chat_prompt(p) for p in prompts]
+    if chat:  # the template's special tokens are tokens, not text
+        prompts, prompt_ids = map(list, zip(*(chat_prompt(p, tok) for p in prompts), strict=True))
+    else:
+        prompt_ids = [tok.encode(p) for p in prompts]
     completions = generate_batched(
-        model, [tok.encode(p) for p in prompts], max_new_tokens, tok.eos_id, temperature, top_k,
+        model, prompt_ids, max_new_tokens, tok.eos_id, temperature, top_k,
         device=device, use_cache=use_cache, tokenizer_vocab_size=tok.vocab_size,
     )
     return [p + tok.decode(c) for p, c in zip(prompts, completions, strict=True)]

@@ -7,8 +7,8 @@ options: ``prompt_field``, ``response_field``, ``messages_field``). An example b
 ``prompt tokens + response tokens + eos``; the labels are the next tokens, with -100 wherever the next
 token belongs to a prompt, so only response tokens (and the eos that ends them) carry loss.
 
-Chats use the plain-text template of ``data/chat.py``, where each assistant turn's content and eos are
-the response (trained), everything else prompt.
+Chats use the model's own chat template when its tokenizer has one, else the plain-text template
+(``data/chat.py``); the assistant turns are the response (trained), everything else prompt.
 
 Batches are padded on the right to the longest example with the tokenizer's pad id (labels -100).
 Right padding needs no attention mask: a causal model never attends to later positions. Packing
@@ -27,7 +27,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.data import Dataset
 
-from lightning_train.data.chat import ROLES, Segments, chat_segments
+from lightning_train.data.chat import ROLES, Chat, Segments, chat_segments, has_chat_template, template_tokens
 from lightning_train.data.loading import ResumableDataModule, check_at_least, check_seed
 from lightning_train.data.readers import dataset_files, iter_lines, iter_rows, record_format
 from lightning_train.data.tasks import default_task_dir
@@ -38,7 +38,7 @@ from lightning_train.errors import UserInputError
 def read_examples(
     path: str | Path, prompt_field: str = "prompt", response_field: str = "response",
     messages_field: str = "messages",
-) -> list[Segments]:
+) -> list[Segments | Chat]:
     """The examples of a JSONL (``.jsonl``, ``.jsonl.gz``, ``.jsonl.zst``), Parquet, Arrow or CSV file or a
     ``datasets`` folder as segments, read a line or a batch of rows at a time (``data/readers.py``); a
     malformed example is an error naming file and line (or row). The fields name the prompt and response
@@ -62,7 +62,7 @@ def read_examples(
     return examples
 
 
-def _parse(line: bytes, where: str, fields: tuple[str, str, str]) -> Segments:
+def _parse(line: bytes, where: str, fields: tuple[str, str, str]) -> Segments | Chat:
     try:
         row = json.loads(line.decode("utf-8"))
     except UnicodeDecodeError as err:
@@ -74,7 +74,7 @@ def _parse(line: bytes, where: str, fields: tuple[str, str, str]) -> Segments:
     return _example(row, where, fields)
 
 
-def _example(row: object, where: str, fields: tuple[str, str, str]) -> Segments:
+def _example(row: object, where: str, fields: tuple[str, str, str]) -> Segments | Chat:
     prompt_field, response_field, messages_field = fields
     if isinstance(row, dict) and isinstance(row.get(prompt_field), str) and isinstance(
         row.get(response_field), str
@@ -92,7 +92,7 @@ def _example(row: object, where: str, fields: tuple[str, str, str]) -> Segments:
             )
         if messages[-1]["role"] != "assistant":
             raise UserInputError(f"{where}: the last message must be the assistant's (it is what is trained)")
-        return chat_segments(messages)
+        return Chat(messages)  # rendered by tokenize(), which knows the tokenizer's template
     raise UserInputError(
         f'{where}: expected {{"{prompt_field}": str, "{response_field}": str}} or {{"{messages_field}": '
         f"[...]}}, got keys {sorted(row) if isinstance(row, dict) else type(row).__name__}; set "
@@ -100,9 +100,15 @@ def _example(row: object, where: str, fields: tuple[str, str, str]) -> Segments:
     )
 
 
-def tokenize(segments: Segments, tokenizer: Tokenizer) -> tuple[list[int], list[bool], list[int], list[int]]:
+def tokenize(
+    segments: Segments | Chat, tokenizer: Tokenizer
+) -> tuple[list[int], list[bool], list[int], list[int]]:
     """Tokens of an example, which of them are trained (responses and their eos), and the prompt and
     response (without eos) of its last response, for exact-match evaluation."""
+    if isinstance(segments, Chat):
+        if has_chat_template(tokenizer):
+            return template_tokens(segments.messages, tokenizer)
+        segments = chat_segments(segments.messages)
     tokens: list[int] = []
     trained: list[bool] = []
     prompt: list[int] = []
@@ -121,7 +127,7 @@ class SFTExamples(Dataset):
     """Tokenized examples, each ``{"input_ids": [...], "labels": [...]}`` (unpadded), truncated to
     ``seq_len``; ``prompts`` holds the (prompt, response) pairs that fit for generation."""
 
-    def __init__(self, examples: list[Segments], tokenizer: Tokenizer, seq_len: int) -> None:
+    def __init__(self, examples: list[Segments | Chat], tokenizer: Tokenizer, seq_len: int) -> None:
         self.rows: list[tuple[list[int], list[int]]] = []
         self.prompts: list[tuple[list[int], list[int]]] = []
         truncated = 0
@@ -177,7 +183,8 @@ class SFTDataModule(ResumableDataModule):
             (``data/tasks.py``).
         val_file: the validation examples, in any of those formats; None: hold out ``val_fraction`` of
             ``train_file``.
-        tokenizer: ``"byte"`` or a ``tokenizer.json`` path (or model folder); None: the model's (a
+        tokenizer: ``"byte"``, a ``tokenizer.json`` path or a model folder (its own tokenizer and chat
+            template, through transformers); None: the model's (a
             module's ``tokenizer_spec``, as FinetuneModule has), else ``"byte"``.
         seq_len: longest example in tokens; longer ones are truncated (with a warning).
         batch_size: examples per batch on each device.

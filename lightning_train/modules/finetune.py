@@ -1,7 +1,9 @@
 """FinetuneModule: start from trained weights, then full, LoRA or partially frozen fine-tuning.
 
 ``init_from`` is a Lightning ``.ckpt`` of this package, a ``.safetensors`` file (or folder) with its
-``config.json``, or a local Hugging Face GPT-2 / Llama folder; the config and tokenizer come from it.
+``config.json``, or a local Hugging Face folder of a family in docs/models.md; the config and tokenizer
+come from it (a model folder's own tokenizer and chat template, through transformers). A source with no
+tokenizer gets the byte tokenizer, with a warning.
 Batches are the pretraining ones (``{"input_ids", "labels"}``, label -100 ignored), e.g. from
 ``SFTDataModule``, whose held-out prompts drive the ``val/exact_match`` metric; ``val/token_accuracy`` is
 the share of response tokens (labels not -100) whose argmax prediction is right.
@@ -21,12 +23,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torchmetrics import MeanMetric
 
 from lightning_train._compat import attached_trainer
 from lightning_train.checkpoint import open_pretrained, save_safetensors
+from lightning_train.checkpoint.model_folder import save_tokenizer
 from lightning_train.errors import UserInputError
 from lightning_train.models.generate import generate_batched
 from lightning_train.models.gpt import GPT, GPTConfig
@@ -49,8 +53,8 @@ class FinetuneModule(PretrainModule):
     Args:
         init_from: the starting weights (see the module docstring); None trains ``config`` from scratch.
         config: the model's shape; leave None to take it from ``init_from``.
-        tokenizer: ``"byte"`` or a ``tokenizer.json`` path; None: the source's (an SFTDataModule
-            without its own tokenizer uses this one).
+        tokenizer: ``"byte"``, a ``tokenizer.json`` path or a model folder; None: the source's, else
+            ``"byte"`` with a warning (an SFTDataModule without its own tokenizer uses this one).
         lora: train low-rank adapters instead of the weights (see ``LoRAConfig``); None: full fine-tuning.
         freeze_embeddings: keep the token (and position) embeddings fixed; a tied lm_head with them.
         freeze_blocks: keep the first N transformer blocks fixed.
@@ -107,6 +111,13 @@ class FinetuneModule(PretrainModule):
         self._pretrained = open_pretrained(init_from, config, allow_pickle) if init_from else None
         if self._pretrained is not None:
             config, tokenizer = self._pretrained.config, tokenizer or self._pretrained.tokenizer
+            if tokenizer is None:  # recorded, so that `generate` and `export` of this run find it too
+                tokenizer = "byte"
+                rank_zero_warn(
+                    f"{init_from} holds no tokenizer (no tokenizer.json or tokenizer.model): the byte "
+                    "tokenizer is used (ids 0..255 are the UTF-8 bytes, 256 ends a response); set "
+                    "model.tokenizer to the model's tokenizer.json or folder to train with its own"
+                )
         if config is None:
             raise UserInputError("FinetuneModule needs init_from (the starting weights) or a model config")
         if isinstance(lora, dict):  # what a command-line override like --model.lora.rank 8 may give
@@ -264,9 +275,10 @@ class FinetuneModule(PretrainModule):
 
     def export(self, output_dir: str | Path) -> Path:
         """Write ``model.safetensors`` + ``config.json`` (loadable as ``init_from``) of the merged model,
-        with the HF ``tokenizer.json`` when the tokenizer is one; returns the folder."""
+        with the tokenizer's files when it is a Hugging Face one (a model folder's: its chat template too);
+        returns the folder."""
         output_dir = save_safetensors(self.merged_model(), output_dir)
         if self.tokenizer_spec and self.tokenizer_spec != "byte":
-            (output_dir / "tokenizer.json").write_bytes(Path(self.tokenizer_spec).read_bytes())
+            save_tokenizer(self.tokenizer_spec, output_dir, self.config.block_size)
         return output_dir
 
