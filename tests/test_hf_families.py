@@ -17,7 +17,6 @@ from lightning_train.checkpoint import export, open_pretrained
 from lightning_train.errors import UserInputError
 from lightning_train.models.lora import LoRAConfig, lora_layers
 from lightning_train.modules.finetune import FinetuneModule
-from lightning_train.strategies.tensor_parallel import check_tensor_parallel
 from tests.test_finetune import RandomTokens
 
 transformers = pytest.importorskip("transformers")
@@ -149,15 +148,6 @@ def test_a_refused_family_names_the_nearest_supported_one(tmp_path, model_type, 
     expected = rf"'{model_type}' model .*nearest supported family is '{nearest}'"
     with pytest.raises(UserInputError, match=expected):
         open_pretrained(tmp_path)
-
-
-@pytest.mark.parametrize("name", ["qwen3", "olmo2"])
-def test_tensor_parallel_refuses_the_norms_it_does_not_split(tmp_path, name):
-    hf_folder(name, tmp_path)
-    config = open_pretrained(tmp_path).config
-    check_tensor_parallel(1, config)
-    with pytest.raises(UserInputError, match=r"tensor_parallel=2 does not split a model with qk_norm="):
-        check_tensor_parallel(2, config)
 
 
 def test_a_checkpoint_of_the_config_before_it_moved_still_loads(tmp_path, monkeypatch):

@@ -4,9 +4,13 @@
 ``torch.distributed.tensor.parallel.parallelize_module`` (torchtitan style); ``gpt.py`` stays plain and
 its state-dict names do not change:
 
-- token embedding row-wise (the vocabulary split), its output sharded along the sequence;
+- token embedding row-wise (the vocabulary split), its output sharded along the sequence; learned
+  positions (GPT-2) looked up for each rank's own positions (``OwnPositions``);
 - norms and the residual stream between blocks sequence-parallel (each rank holds ``T / tp`` positions;
-  all-gathered before attention and the MLP, reduce-scattered after them);
+  all-gathered before attention and the MLP, reduce-scattered after them), norms after a sublayer
+  (OLMo-2, Gemma 2/3) too;
+- q/k norms on each rank's heads: of each head (Qwen3, Gemma 3) as they are, over the whole projection
+  (OLMo-2) with the mean of squares summed over the ranks (``ProjectionNorm``);
 - attention split by heads: the fused ``qkv`` projection column-wise per head group (below), the
   output projection row-wise; the MLP column-wise (gate, up) then row-wise (down);
 - the output head column-wise (vocabulary split). With ``loss_parallel`` (the default) its logits stay
@@ -33,7 +37,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -45,11 +49,13 @@ from torch.distributed.tensor.parallel import (
 from torch.distributed.tensor.parallel import loss_parallel as torch_loss_parallel
 
 from lightning_train.errors import UserInputError
+from lightning_train.models.layers import OffsetRMSNorm
 
 
 def check_tensor_parallel(tensor_parallel: int, config: Any) -> None:
     """Refuse a ``tensor_parallel`` size the model cannot be split by: it must divide the query heads and
-    the key/value heads (each rank computes whole heads), and positions must be rotary."""
+    the key/value heads (each rank computes whole heads), and a q/k norm over the whole projection must be
+    an RMSNorm (``ProjectionNorm``)."""
     if tensor_parallel == 1:
         return
     n_head, n_kv_head = getattr(config, "n_head", None), getattr(config, "n_kv_head", None)
@@ -63,20 +69,12 @@ def check_tensor_parallel(tensor_parallel: int, config: Any) -> None:
             f"tensor_parallel={tensor_parallel} does not divide the model's heads (n_head={n_head}, "
             f"n_kv_head={n_kv_head}); use a common divisor of both"
         )
-    if getattr(config, "position", "rope") != "rope":
+    if getattr(config, "qk_norm", "none") == "projection" and config.norm == "layernorm":
+        # ProjectionNorm sums squares over the ranks' heads: an RMSNorm's statistic, not a LayerNorm's two
         raise UserInputError(
-            f"tensor_parallel={tensor_parallel} supports rotary positions only (position='rope'), "
-            f"not position={config.position!r}; use tensor_parallel=1 for learned positions"
-        )
-    # a q/k norm's weight is used by every rank on its own heads only (its gradient would need a sum the
-    # plan does not do); norms after the sublayers sit where the plan expects sequence-sharded inputs
-    plain = {"qk_norm": "none", "block_norms": "pre"}
-    settings = ", ".join(f"{name}={getattr(config, name)!r}" for name, value in plain.items()
-                         if getattr(config, name, value) != value)
-    if settings:
-        raise UserInputError(
-            f"tensor_parallel={tensor_parallel} does not split a model with {settings} yet; use "
-            "tensor_parallel=1 (fsdp and pipeline_parallel shard it)"
+            f"tensor_parallel={tensor_parallel} splits a q/k norm over the whole projection "
+            "(qk_norm='projection') only as an RMSNorm, not with norm='layernorm'; use norm='rmsnorm' or "
+            "qk_norm='head', or tensor_parallel=1"
         )
 
 
@@ -114,6 +112,47 @@ class HeadParallelQKV(ParallelStyle):
         return module
 
 
+class OwnPositions(ParallelStyle):
+    """Learned position embeddings (GPT-2) under sequence parallelism: each rank looks up the positions of
+    its own part of the sequence, the part the token embedding's output holds (``Shard(1)``); the table
+    stays replicated, its gradient a partial sum over the ranks' positions (``reduce_partial_grads``)."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def own_positions(module: nn.Module, inputs: tuple[Any, ...], mesh: DeviceMesh) -> tuple[DTensor]:
+            own = inputs[0].chunk(mesh.size())[mesh.get_local_rank()]  # as the reduce-scatter splits them
+            return (DTensor.from_local(own, mesh, [Shard(0)], run_check=False),)
+
+        def local(module: nn.Module, output: DTensor, mesh: DeviceMesh) -> torch.Tensor:
+            return output.to_local()
+
+        return distribute_module(module, device_mesh, input_fn=own_positions, output_fn=local)
+
+
+class ProjectionNorm(ParallelStyle):
+    """An RMSNorm over the whole q or k projection (OLMo-2's ``qk_norm="projection"``) on a rank that holds
+    some of its heads: its weight sharded as the heads are (``Shard(0)``: each rank's gains only, whose
+    gradients need no sum), its input taken as the ``Shard(-1)`` DTensor it is. The mean of squares over
+    the whole width is then a partial sum that DTensor all-reduces, one value a position (backward: one
+    reduce-scatter), where keeping the input replicated would all-gather the projection. Written out, not
+    ``F.rms_norm``: DTensor cannot split its fused in-place reduction over a sharded width."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        sharded = distribute_tensor(module.weight, device_mesh, [Shard(0)])
+        module.register_parameter("weight", nn.Parameter(sharded, module.weight.requires_grad))
+        offset = isinstance(module, OffsetRMSNorm)  # Gemma's (1 + weight), in fp32
+
+        def forward(x: torch.Tensor) -> torch.Tensor:
+            whole = DTensor.from_local(x, device_mesh, [Shard(-1)], run_check=False)
+            eps = module.eps if module.eps is not None else torch.finfo(x.dtype).eps
+            normed = whole.float() * torch.rsqrt(whole.float().pow(2).mean(-1, keepdim=True) + eps)
+            if offset:
+                return (normed * (1.0 + module.weight.float())).type_as(x).to_local()
+            return (normed.type_as(x) * module.weight).to_local()
+
+        module.forward = forward  # an instance attribute, as HeadParallelQKV's
+        return module
+
+
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool = True) -> None:
     """Shard ``model`` (a ``GPT``) over ``tp_mesh`` in place, with sequence parallelism (module doc).
     ``loss_parallel`` (``ParallelStrategy``'s): the model returns its logits as a DTensor sharded by
@@ -127,6 +166,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: 
     )
     outer = {  # a pipeline stage holds some of these only (pipeline.stage_model)
         "embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "pos_embed": OwnPositions(),
         "norm": SequenceParallel(),
         "lm_head": head,
     }
@@ -151,6 +191,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: 
         }
         if block.mlp.gate is not None:
             plan["mlp.gate"] = ColwiseParallel()
+        plan |= _norm_styles(block)
         parallelize_module(block, tp_mesh, plan)
         # the heads this rank computes (module attributes, not state): reshapes see local widths
         attention.n_head, attention.n_kv_head = attention.n_head // size, attention.n_kv_head // size
@@ -165,6 +206,25 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: 
     model.register_forward_pre_hook(check_length)
 
 
+def _norm_styles(block: nn.Module) -> dict[str, ParallelStyle]:
+    """The styles of a block's optional norms. Norms after a sublayer (OLMo-2, Gemma 2/3) take its
+    sequence-sharded output and hand the residual sum a plain tensor; a q/k norm of each head (Qwen3,
+    Gemma 3) runs on this rank's heads (dimension 1 of ``(B, heads, T, head_dim)``), its replicated weight's
+    gradient a partial sum (``reduce_partial_grads``); a q/k norm over the whole projection
+    (OLMo-2) is ``ProjectionNorm``."""
+    styles: dict[str, ParallelStyle] = {
+        name: SequenceParallel(use_local_output=True)
+        for name in ("attn_post_norm", "mlp_post_norm") if not isinstance(getattr(block, name), nn.Identity)
+    }
+    qk_norm = block.attn.config.qk_norm
+    if qk_norm != "none":
+        for name in ("attn.q_norm", "attn.k_norm"):
+            styles[name] = ProjectionNorm() if qk_norm == "projection" else SequenceParallel(
+                sequence_dim=1, use_local_output=True
+            )
+    return styles
+
+
 def reduce_partial_grads(model: nn.Module) -> None:
     """Give every gradient the placement of its parameter (call after each backward). A sequence-parallel
     norm's weight is replicated but each rank's gradient covers only its positions (a ``Partial`` sum):
@@ -172,7 +232,8 @@ def reduce_partial_grads(model: nn.Module) -> None:
     Not a gradient hook on the parameters: moving the module (``.to``) swaps each DTensor parameter for
     a new one and silently drops such hooks (``ParallelStrategy`` moves it after this plan).
 
-    The norms' ``Partial`` gradients (``2 * n_layer + 1`` tensors of ``n_embd`` values) are summed in one
+    The norms' ``Partial`` gradients (``2 * n_layer + 1`` tensors of ``n_embd`` values in a pre-norm block;
+    post-norms, per-head q/k norms and a learned position table add theirs) are summed in one
     bucket: concatenated and all-reduced once per mesh and dtype (in practice once per backward) instead
     of once each, as such small all-reduces cost a collective's latency, not bandwidth. Any other
     gradient whose placement differs from its parameter's is redistributed by itself, as before."""
