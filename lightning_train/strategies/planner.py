@@ -28,6 +28,7 @@ from lightning_train.errors import UserInputError
 from lightning_train.models.gpt import GPT, GPTConfig, padded_vocab_size
 from lightning_train.strategies.memory import LayoutEstimate, estimate_layout, format_bytes
 from lightning_train.strategies.parallelize import find_transformer
+from lightning_train.strategies.tensor_parallel import check_tensor_parallel
 
 # precision: (activation dtype, model-state dtype; None: the parameters' own, fp32 master weights)
 PRECISION_DTYPES = {
@@ -207,8 +208,7 @@ def _candidates(
         return layouts
     tps = [
         tp for tp in _divisors(devices_per_node)[1:]
-        if config.n_head % tp == 0 and config.n_kv_head % tp == 0 and config.position == "rope"
-        and (seq_len is None or seq_len % tp == 0)
+        if _splits_heads(tp, config) and (seq_len is None or seq_len % tp == 0)
     ]
     layouts += [("fsdp", tp, 1, None) for tp in tps if divides(tp, 1)]
     for pp in _divisors(world_size)[1:]:
@@ -250,3 +250,12 @@ def _no_fit_message(
         f"than {smallest.margin:.0%} of {format_bytes(smallest.budget_bytes)}; lower batch_size or seq_len, "
         f"{checkpointing}or use more devices"
     )
+
+
+def _splits_heads(tensor_parallel: int, config: GPTConfig) -> bool:
+    """Whether tensor parallelism of this size can split the model (``check_tensor_parallel``'s rule)."""
+    try:
+        check_tensor_parallel(tensor_parallel, config)
+    except UserInputError:
+        return False
+    return True
