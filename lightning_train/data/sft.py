@@ -199,7 +199,7 @@ class SFTDataModule(ResumableDataModule):
             ``tensor_parallel`` size (sequence parallelism splits every sequence into that many parts),
             else 1. ``seq_len`` must divide by it.
         packing: pack examples into full rows of ``seq_len`` tokens, each example attending only to itself
-            (the model must be our ``GPT``; not under pipeline parallelism). False (the default, which any
+            (the model must be our ``GPT``). False (the default, which any
             model takes): one example a row, padded to the batch's longest.
         prompt_field: the field (column) of an example's prompt text.
         response_field: the field of its response text.
@@ -338,11 +338,6 @@ class SFTDataModule(ResumableDataModule):
         multiple = self.hparams.get("pad_to_multiple_of")
         strategy = self.trainer.strategy if self.trainer is not None else None
         if getattr(strategy, "pipeline_parallel", 1) > 1:
-            if self.packing:  # the stages pass hidden states only: a later one would not see the examples
-                raise UserInputError(
-                    "data.packing=true is not supported under pipeline parallelism (the stages do not carry "
-                    "the packed examples' positions); set data.packing=false"
-                )
             return self.seq_len  # torch's pipeline stages keep the shapes of their first batch: one length
         if multiple is None:
             multiple = getattr(strategy, "tensor_parallel", 1)

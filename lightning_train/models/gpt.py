@@ -69,7 +69,9 @@ class Block(nn.Module):
         cache: KVCache | None = None,
         documents: Documents | None = None,
     ) -> torch.Tensor:
-        attended = x + self.dropout(self.attn_post_norm(self.attn(self.attn_norm(x), rope, cache, documents)))
+        # documents by keyword: tensor parallelism's input plan covers (x, rope, cache) only
+        attention = self.attn(self.attn_norm(x), rope, cache, documents=documents)
+        attended = x + self.dropout(self.attn_post_norm(attention))
         source = x if self.parallel_residual else attended  # parallel: both sublayers read the block's input
         return attended + self.dropout(self.mlp_post_norm(self.mlp(self.mlp_norm(source))))
 

@@ -230,7 +230,7 @@ class PretrainModule(L.LightningModule):
             accumulation = self.trainer.accumulate_grad_batches
             loss = pipeline.train_step(
                 batch["input_ids"], batch["labels"], self._loss, accumulation,
-                scale=step_control(self.trainer).scale_loss,
+                scale=step_control(self.trainer).scale_loss, position_ids=batch.get("position_ids"),
                 starts_step=batch_idx % accumulation == 0, ends_step=self._ends_step(batch_idx),
             )
         self._log_train_loss(loss, batch["labels"], batch_idx)
@@ -309,7 +309,7 @@ class PretrainModule(L.LightningModule):
         pipeline parallelism the forward schedule's, on the ranks of the last stage (None on the others);
         under tensor parallelism a DTensor sharded by vocabulary (``full_tensor()`` gathers it)."""
         pipeline = self._pipeline()
-        return self(input_ids, position_ids) if pipeline is None else pipeline.forward(input_ids)
+        return (pipeline.forward if pipeline is not None else self)(input_ids, position_ids)
 
     def _log_train_loss(self, loss: torch.Tensor, labels: torch.Tensor, batch_idx: int) -> None:
         """``train/loss``: the token-weighted mean over the optimizer step's global batch (every data-parallel
