@@ -12,12 +12,11 @@ the response (trained), everything else prompt.
 
 By default batches are padded on the right to the longest example with the tokenizer's pad id (labels
 -100); right padding needs no attention mask, since a causal model never attends to later positions.
-With ``packing=True`` (``configs/finetune-tiny.yaml`` sets it) examples are packed back to back into rows
-of ``seq_len`` tokens (``data/packing.py``), with ``position_ids`` that restart at each example, so that
-our GPT keeps each example's attention to itself: every example's loss is the one it has alone. The
-loaders are
-``TextDataModule``'s (``data/loading.py``): a
-resumed run continues with the next unseen example, at any device count, and
+With ``packing=True`` examples are packed back to back into rows of ``seq_len`` tokens
+(``data/packing.py``), with ``position_ids`` that restart at each example, so that our GPT keeps each
+example's attention to itself: every example's loss is the one it has alone. The loaders are
+``TextDataModule``'s (``data/loading.py``): a resumed run continues with the next unseen example (packed:
+row), at any device count, and
 ``train_loader.sampler.skip_batches(n)`` jumps over examples without loading them.
 """
 
@@ -199,8 +198,8 @@ class SFTDataModule(ResumableDataModule):
             ``tensor_parallel`` size (sequence parallelism splits every sequence into that many parts),
             else 1. ``seq_len`` must divide by it.
         packing: pack examples into full rows of ``seq_len`` tokens, each example attending only to itself
-            (the model must be our ``GPT``). False (the default, which any
-            model takes): one example a row, padded to the batch's longest.
+            (the model must be our ``GPT``). False (the default, which any model takes): one example a
+            row, padded to the batch's longest.
         prompt_field: the field (column) of an example's prompt text.
         response_field: the field of its response text.
         messages_field: the field of a chat's messages, for examples without prompt and response.

@@ -182,8 +182,9 @@ class GPT(nn.Module):
         if self.config.embed_scale:  # in the embeddings' dtype, as Gemma rounds it
             x = x * torch.tensor(self.config.n_embd**0.5, dtype=x.dtype)
         if self.pos_embed is not None:
-            positions = position_ids if position_ids is not None else torch.arange(start, start + T)
-            x = x + self.pos_embed(positions.to(idx.device))
+            if position_ids is None:
+                position_ids = torch.arange(start, start + T, device=idx.device)
+            x = x + self.pos_embed(position_ids)
         return self.dropout(x)
 
     def num_params(self, non_embedding: bool = False) -> int:
