@@ -13,9 +13,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lightning_train import GPT, GPTConfig, SFTDataModule
+from lightning_train import GPT, GPTConfig, PretrainModule, SFTDataModule
 from lightning_train.checkpoint import open_pretrained, save_safetensors
 from lightning_train.data.sft import PadCollate
+from lightning_train.errors import UserInputError
 from tests.conftest import REPO, run_cli
 
 
@@ -155,6 +156,23 @@ def test_rows_are_full_positions_restart_and_only_responses_carry_loss(tmp_path)
     assert sorted(examples) == sorted(map(tuple, expected))
     assert packed.train_set.padding_fraction < 0.2
     assert packed.describe_train_set() == f"{len(rows)} packed rows ({len(expected)} examples)"
+
+
+class EmbeddingOnly(PretrainModule):
+    """A module whose model is not our GPT: nothing in it keeps packed examples apart."""
+
+    def build_model(self) -> torch.nn.Module:
+        return torch.nn.Embedding(self.config.vocab_size, self.config.vocab_size)
+
+
+def test_packed_batches_need_our_gpt():
+    module = EmbeddingOnly(GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_embd=32))
+    module.configure_model()
+    tokens = torch.zeros(1, 8, dtype=torch.long)
+    assert module(tokens).shape == (1, 8, 64)  # unpacked batches: any model
+    message = r"data.packing=true needs our GPT \(model: Embedding\); set data.packing=false"
+    with pytest.raises(UserInputError, match=message):
+        module(tokens, torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4]]))
 
 
 @pytest.mark.slow  # two CLI runs

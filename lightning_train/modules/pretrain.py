@@ -217,8 +217,8 @@ class PretrainModule(L.LightningModule):
         """Logits; ``position_ids`` mark packed rows (``SFTDataModule(packing=True)``), which need our GPT."""
         kwargs = {} if position_ids is None else {"position_ids": position_ids}
         if kwargs and not isinstance(self.model, GPT):  # another model would let packed examples mix
-            name = type(self.model).__name__
-            raise UserInputError(f"data.packing=true needs our GPT, not a {name}; set data.packing=false")
+            model = type(self.model).__name__
+            raise UserInputError(f"data.packing=true needs our GPT (model: {model}); set data.packing=false")
         output = self.model(input_ids, **kwargs)
         return getattr(output, "logits", output)  # a transformers model (build_model's) returns an object
 
