@@ -286,3 +286,17 @@ def test_prepare_throughput_smoke(tmp_path: Path) -> None:
         if name.endswith("bpe 8192"):
             assert set(result["ceiling"]["mb_per_cpu_s"]) == {"encode_batch", "encode_batch_fast"}
             assert result["ceiling_mb_per_cpu_s"] == max(result["ceiling"]["mb_per_cpu_s"].values()) > 0
+
+
+def test_packing_smoke(tmp_path: Path) -> None:
+    payload = run_smoke("packing.py", tmp_path / "packing.json")
+    assert payload["benchmark"] == "packing" and payload["smoke"] is True
+    padded = payload["results"].pop(payload["padded"])
+    assert 0.1 < padded["padding_fraction"] < 0.6  # padded to each batch's longest example
+    assert len(payload["results"]) == 2
+    for result in payload["results"].values():
+        assert 0 <= result["padding_fraction"] < 0.5
+        for clock in ("cpu", "wall"):
+            check_comparison(result["real_tokens_per_s"][clock], pairs=1)
+    rows_of_128 = payload["results"]["packed, rows of 128, 16 rows a batch"]
+    assert rows_of_128["padding_fraction"] < padded["padding_fraction"] / 1.5

@@ -10,11 +10,13 @@ token belongs to a prompt, so only response tokens (and the eos that ends them) 
 Chats use the model's own chat template when its tokenizer has one, else the plain-text template
 (``data/chat.py``); the assistant turns are the response (trained), everything else prompt.
 
-Batches are padded on the right to the longest example with the tokenizer's pad id (labels -100).
-Right padding needs no attention mask: a causal model never attends to later positions. Packing
-several examples into one row is not offered, since our GPT has no document mask to keep packed
-examples from attending to each other. The loaders are ``TextDataModule``'s (``data/loading.py``): a
-resumed run continues with the next unseen example, at any device count, and
+By default batches are padded on the right to the longest example with the tokenizer's pad id (labels
+-100); right padding needs no attention mask, since a causal model never attends to later positions.
+With ``packing=True`` examples are packed back to back into rows of ``seq_len`` tokens
+(``data/packing.py``), with ``position_ids`` that restart at each example, so that our GPT keeps each
+example's attention to itself: every example's loss is the one it has alone. The loaders are
+``TextDataModule``'s (``data/loading.py``): a resumed run continues with the next unseen example (packed:
+row), at any device count, and
 ``train_loader.sampler.skip_batches(n)`` jumps over examples without loading them.
 """
 
@@ -29,6 +31,7 @@ from torch.utils.data import Dataset
 
 from lightning_train.data.chat import ROLES, Chat, Segments, chat_segments, has_chat_template, template_tokens
 from lightning_train.data.loading import ResumableDataModule, check_at_least, check_seed
+from lightning_train.data.packing import PackedExamples
 from lightning_train.data.readers import dataset_files, iter_lines, iter_rows, record_format
 from lightning_train.data.tasks import default_task_dir
 from lightning_train.data.tokenizers import Tokenizer, load_tokenizer
@@ -186,8 +189,9 @@ class SFTDataModule(ResumableDataModule):
         tokenizer: ``"byte"``, a ``tokenizer.json`` path or a model folder (its own tokenizer and chat
             template, through transformers); None: the model's (a
             module's ``tokenizer_spec``, as FinetuneModule has), else ``"byte"``.
-        seq_len: longest example in tokens; longer ones are truncated (with a warning).
-        batch_size: examples per batch on each device.
+        seq_len: longest example in tokens; longer ones are truncated (with a warning). Packed: the length
+            of every row.
+        batch_size: examples (packed: rows) per batch on each device.
         global_batch_size: samples per optimizer step over all devices; the Trainer's
             ``accumulate_grad_batches`` becomes ``global_batch_size / (batch_size x data-parallel ranks)``
             at each launch (set by the ``GlobalBatch`` callback, which the CLI adds), so a run resumed
@@ -200,6 +204,9 @@ class SFTDataModule(ResumableDataModule):
             parallelism every batch is padded to ``seq_len``: the stages take one shape); None: the Trainer's
             ``tensor_parallel`` size (sequence parallelism splits every sequence into that many parts),
             else 1. ``seq_len`` must divide by it.
+        packing: pack examples into full rows of ``seq_len`` tokens, each example attending only to itself
+            (the model must be our ``GPT``). False (the default, which any model takes): one example a
+            row, padded to the batch's longest.
         prompt_field: the field (column) of an example's prompt text.
         response_field: the field of its response text.
         messages_field: the field of a chat's messages, for examples without prompt and response.
@@ -222,6 +229,14 @@ class SFTDataModule(ResumableDataModule):
         '12 + 1 = 13'
         >>> data.tokenizer.decode([label for label in batch["labels"][0].tolist() if label != -100])
         '13<|endoftext|>'
+
+    Packed, several examples share each row of 32 tokens; positions restart at each:
+
+        >>> packed = SFTDataModule(str(train_file), tokenizer="byte", seq_len=32, batch_size=4, packing=True)
+        >>> packed.setup("fit")
+        >>> row = packed.train_set[0]
+        >>> row["input_ids"].shape, row["position_ids"][:12].tolist()
+        (torch.Size([32]), [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 0])
     """
 
     def __init__(
@@ -240,6 +255,7 @@ class SFTDataModule(ResumableDataModule):
         prompt_field: str = "prompt",
         response_field: str = "response",
         messages_field: str = "messages",
+        packing: bool = False,
     ) -> None:
         super().__init__()
         if not 0 < val_fraction < 1:
@@ -255,10 +271,10 @@ class SFTDataModule(ResumableDataModule):
         # `tokenizer` key of model and data that differ (None here, "byte" there).
         self.save_hyperparameters(ignore=["tokenizer"] if tokenizer is None else None)
         self.seq_len, self.batch_size, self.seed, self.num_workers = seq_len, batch_size, seed, num_workers
-        self.global_batch_size = global_batch_size
+        self.global_batch_size, self.packing = global_batch_size, packing
         self.tokenizer: Tokenizer | None = None
-        self.train_set: SFTExamples | None = None
-        self.val_set: SFTExamples | None = None
+        self.train_set: SFTExamples | PackedExamples | None = None
+        self.val_set: SFTExamples | PackedExamples | None = None
 
     @property
     def eos_id(self) -> int:
@@ -294,8 +310,18 @@ class SFTDataModule(ResumableDataModule):
             held_out = set(order[: max(1, round(len(train) * self.hparams.val_fraction))])
             val = [e for i, e in enumerate(train) if i in held_out]
             train = [e for i, e in enumerate(train) if i not in held_out]
-        self.train_set = SFTExamples(train, self.tokenizer, self.seq_len)
-        self.val_set = SFTExamples(val, self.tokenizer, self.seq_len)
+        self.train_set, self.val_set = (self._dataset(examples) for examples in (train, val))
+
+    def _dataset(self, examples: list[Segments]) -> SFTExamples | PackedExamples:
+        tokenized = SFTExamples(examples, self.tokenizer, self.seq_len)
+        if not self.packing:
+            return tokenized
+        return PackedExamples(tokenized, self.seq_len, self.tokenizer.pad_id, self.seed)
+
+    def describe_train_set(self) -> str:
+        if isinstance(self.train_set, PackedExamples):
+            return f"{len(self.train_set)} packed rows ({self.train_set.num_examples} examples)"
+        return super().describe_train_set()
 
     def _tokenizer_spec(self) -> str:
         module = self.trainer.lightning_module if self.trainer is not None else None
@@ -310,8 +336,9 @@ class SFTDataModule(ResumableDataModule):
             )
         return given
 
-    def collate(self) -> PadCollate:
-        return PadCollate(self.tokenizer.pad_id, self._pad_multiple())
+    def collate(self) -> PadCollate | None:
+        multiple = self._pad_multiple()
+        return None if self.packing else PadCollate(self.tokenizer.pad_id, multiple)  # packed: stacked rows
 
     def _pad_multiple(self) -> int:
         multiple = self.hparams.get("pad_to_multiple_of")

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from lightning_train.models.config import GPTConfig
+from lightning_train.models.documents import Documents
 from lightning_train.models.generate import decode
 from lightning_train.models.init import draw_seed, seeded_normal_, tensor_seed
 from lightning_train.models.kv_cache import KVCache
@@ -66,8 +67,11 @@ class Block(nn.Module):
         x: torch.Tensor,
         rope: RotaryEmbedding | None,
         cache: KVCache | None = None,
+        documents: Documents | None = None,
     ) -> torch.Tensor:
-        attended = x + self.dropout(self.attn_post_norm(self.attn(self.attn_norm(x), rope, cache)))
+        # documents by keyword: tensor parallelism's input plan covers (x, rope, cache) only
+        attention = self.attn(self.attn_norm(x), rope, cache, documents=documents)
+        attended = x + self.dropout(self.attn_post_norm(attention))
         source = x if self.parallel_residual else attended  # parallel: both sublayers read the block's input
         return attended + self.dropout(self.mlp_post_norm(self.mlp(self.mlp_norm(source))))
 
@@ -137,22 +141,35 @@ class GPT(nn.Module):
             elif isinstance(module, (nn.RMSNorm, nn.LayerNorm, RotaryEmbedding)):
                 module.reset_parameters()
 
-    def forward(self, idx: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+    def forward(
+        self, idx: torch.Tensor, cache: KVCache | None = None, position_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Logits of shape (B, T, vocab_size) for token ids ``idx`` of shape (B, T).
+
+        ``position_ids`` (B, T): packed rows, several examples a row, each counting its positions from 0;
+        each attends only within itself (``models.documents``). None: one sequence a row.
 
         A pipeline stage holds some of the blocks only (``lightning_train.strategies.pipeline``): a later
         stage takes the hidden states (B, T, n_embd) of the stage before as ``idx``, and a stage without
         the ``lm_head`` returns its hidden states."""
-        x = self.embed_tokens(idx, cache) if idx.dim() == 2 else idx
+        if position_ids is not None and (cache is not None or position_ids.shape != idx.shape[:2]):
+            raise ValueError(
+                f"position_ids of shape {tuple(position_ids.shape)} must match the tokens' "
+                f"{tuple(idx.shape[:2])}, without a KV cache (packed rows are for training)"
+            )
+        documents = Documents(position_ids) if position_ids is not None else None
+        x = self.embed_tokens(idx, cache, position_ids) if idx.dim() == 2 else idx
         for block in self.blocks:
             local = self.local_rope is not None and block.attn.window is not None
-            x = block(x, self.local_rope if local else self.rope, cache)
+            x = block(x, self.local_rope if local else self.rope, cache, documents=documents)
         if self.lm_head is None:
             return x
         logits, cap = self.lm_head(self.norm(x)), self.config.logit_softcap
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
-    def embed_tokens(self, idx: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+    def embed_tokens(
+        self, idx: torch.Tensor, cache: KVCache | None = None, position_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """The residual stream's start: token (and learned position) embeddings of ``idx`` (B, T)."""
         start = cache.length if cache is not None else 0
         T = idx.shape[1]
@@ -165,7 +182,9 @@ class GPT(nn.Module):
         if self.config.embed_scale:  # in the embeddings' dtype, as Gemma rounds it
             x = x * torch.tensor(self.config.n_embd**0.5, dtype=x.dtype)
         if self.pos_embed is not None:
-            x = x + self.pos_embed(torch.arange(start, start + T, device=idx.device))
+            if position_ids is None:
+                position_ids = torch.arange(start, start + T, device=idx.device)
+            x = x + self.pos_embed(position_ids)
         return self.dropout(x)
 
     def num_params(self, non_embedding: bool = False) -> int:

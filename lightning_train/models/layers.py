@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_train.models.config import GPTConfig
+from lightning_train.models.documents import Documents
 from lightning_train.models.kv_cache import KVCache
 from lightning_train.models.rope import RotaryEmbedding, apply_rotary
 
@@ -48,7 +49,11 @@ class Attention(nn.Module):
             self.q_norm = make_norm(config, q_width * self.head_dim)
             self.k_norm = make_norm(config, k_width * self.head_dim)
 
-    def forward(self, x: torch.Tensor, rope: RotaryEmbedding | None, cache: KVCache | None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, rope: RotaryEmbedding | None, cache: KVCache | None,
+        documents: Documents | None = None,
+    ) -> torch.Tensor:
+        """``documents``: packed rows, whose examples attend within themselves at their own positions."""
         B, T, _ = x.shape
         q, k, v = self.qkv(x).split(
             [self.n_head * self.head_dim, self.n_kv_head * self.head_dim, self.n_kv_head * self.head_dim],
@@ -63,11 +68,14 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         past = cache.past_length(self.layer) if cache is not None else 0
         if rope is not None:  # looked up here, where x holds whole sequences (sequence parallelism too)
-            tables = rope(past, T)
+            tables = rope(past, T) if documents is None else documents.rope_tables(rope)
             q, k = apply_rotary(q, *tables), apply_rotary(k, *tables)
         if cache is not None:
             k, v = cache.update(self.layer, k, v)
-        mask = attention_mask(past, T, self.window, x.device)
+        if documents is None:  # no mask built for unpacked rows: is_causal picks the fast kernels
+            mask = attention_mask(past, T, self.window, x.device)
+        else:
+            mask = documents.mask(self.window)
         dropout = self.config.dropout if self.training else 0.0
         scale = (self.config.query_scale_dim or self.head_dim) ** -0.5
         if self.config.attn_softcap is None:

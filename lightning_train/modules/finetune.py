@@ -222,7 +222,7 @@ class FinetuneModule(PretrainModule):
             self.val_token_accuracy.reset()
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
-        logits, labels = self.logits(batch["input_ids"]), batch["labels"]
+        logits, labels = self.logits(batch["input_ids"], batch.get("position_ids")), batch["labels"]
         scored = labels != -100
         count = scored.sum()
         if logits is None:  # a pipeline stage without the head: the last stage's ranks count this batch

@@ -213,19 +213,24 @@ class PretrainModule(L.LightningModule):
                 f"model.config.block_size={self.config.block_size}; lower seq_len or raise block_size"
             )
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        output = self.model(input_ids)
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits; ``position_ids`` mark packed rows (``SFTDataModule(packing=True)``), which need our GPT."""
+        kwargs = {} if position_ids is None else {"position_ids": position_ids}
+        if kwargs and not isinstance(self.model, GPT):  # another model would let packed examples mix
+            model = type(self.model).__name__
+            raise UserInputError(f"data.packing=true needs our GPT (model: {model}); set data.packing=false")
+        output = self.model(input_ids, **kwargs)
         return getattr(output, "logits", output)  # a transformers model (build_model's) returns an object
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         pipeline = self._pipeline()
         if pipeline is None:
-            loss = self._loss(self(batch["input_ids"]), batch["labels"])
+            loss = self._loss(self(batch["input_ids"], batch.get("position_ids")), batch["labels"])
         else:  # the strategy's schedule runs forward and backward of every microbatch (loss detached)
             accumulation = self.trainer.accumulate_grad_batches
             loss = pipeline.train_step(
                 batch["input_ids"], batch["labels"], self._loss, accumulation,
-                scale=step_control(self.trainer).scale_loss,
+                scale=step_control(self.trainer).scale_loss, position_ids=batch.get("position_ids"),
                 starts_step=batch_idx % accumulation == 0, ends_step=self._ends_step(batch_idx),
             )
         self._log_train_loss(loss, batch["labels"], batch_idx)
@@ -297,18 +302,20 @@ class PretrainModule(L.LightningModule):
             ) from error
         return loss.to_local() if isinstance(loss, DTensor) else loss
 
-    def logits(self, input_ids: torch.Tensor) -> torch.Tensor | None:
-        """The model's logits for ``input_ids``, without backward; under pipeline parallelism the
-        forward schedule's, on the ranks of the last stage (None on the others); under tensor parallelism
-        a DTensor sharded by vocabulary (``full_tensor()`` gathers it)."""
+    def logits(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
+        """The model's logits for ``input_ids`` (and packed rows' ``position_ids``), without backward; under
+        pipeline parallelism the forward schedule's, on the ranks of the last stage (None on the others);
+        under tensor parallelism a DTensor sharded by vocabulary (``full_tensor()`` gathers it)."""
         pipeline = self._pipeline()
-        return self(input_ids) if pipeline is None else pipeline.forward(input_ids)
+        return (pipeline.forward if pipeline is not None else self)(input_ids, position_ids)
 
     def _log_train_loss(self, loss: torch.Tensor, labels: torch.Tensor, batch_idx: int) -> None:
-        """``train/loss``: the token-weighted mean over the optimizer step's global batch (every
-        data-parallel rank, every accumulated micro-batch), summed across ranks on logging steps only.
-        Between them this rank's own value, for the progress bar: no collective, no host read.
-        Not prog_bar=True: Lightning would read it to the host (a GPU sync) after every batch."""
+        """``train/loss``: the token-weighted mean over the optimizer step's global batch (every data-parallel
+        rank, every accumulated micro-batch), summed across ranks on logging steps only. Between them this
+        rank's own value, for the progress bar: no collective, no host read. Not prog_bar=True: Lightning
+        would read it to the host (a GPU sync) after every batch."""
         tokens = (labels != -100).sum()
         sums = torch.stack([loss.detach().float() * tokens, tokens.float()])
         accumulate = self.trainer.accumulate_grad_batches
@@ -326,7 +333,7 @@ class PretrainModule(L.LightningModule):
             self.val_loss.reset()
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
-        logits, labels = self.logits(batch["input_ids"]), batch["labels"]
+        logits, labels = self.logits(batch["input_ids"], batch.get("position_ids")), batch["labels"]
         if logits is None:  # a pipeline stage without the head: the last stage's ranks count this batch
             for metric in [self.val_loss, *(self.val_source_loss or {}).values()]:
                 metric.update(torch.zeros((), device=labels.device), weight=0)  # synced states, no warning
@@ -370,26 +377,20 @@ class PretrainModule(L.LightningModule):
             return self.trainer.max_steps
         steps = self.trainer.estimated_stepping_batches
         if not math.isfinite(steps):
-            raise UserInputError(
-                "cannot infer the length of the LR schedule: set trainer.max_steps, trainer.max_epochs "
-                "or model.decay_steps"
-            )
+            raise UserInputError("cannot infer the length of the LR schedule: set trainer.max_steps, "
+                                 "trainer.max_epochs or model.decay_steps")
         return int(steps)
 
 
 def _data_vocab_size(datamodule: Any) -> int | None:
     """The vocabulary a data module was tokenized with: its ``vocab_size``, else its tokenizer's."""
-    vocab_size = getattr(datamodule, "vocab_size", None)
-    if vocab_size is None:
-        vocab_size = getattr(getattr(datamodule, "tokenizer", None), "vocab_size", None)
-    return vocab_size
+    vocab_size, tokenizer = getattr(datamodule, "vocab_size", None), getattr(datamodule, "tokenizer", None)
+    return vocab_size if vocab_size is not None else getattr(tokenizer, "vocab_size", None)
 
 
 def _fastest_adamw_kwargs(param_groups: list[dict[str, Any]]) -> dict[str, bool]:
     """``fused=True`` where every parameter is a plain floating tensor on a device with a fused
     kernel (CUDA, CPU); otherwise the multi-tensor ``foreach`` path (e.g. FSDP2's DTensors)."""
-    from torch.distributed.tensor import DTensor
-
     params = [p for group in param_groups for p in group["params"]]
     fusable = all(
         not isinstance(p, DTensor) and p.is_floating_point() and p.device.type in ("cuda", "cpu")

@@ -325,13 +325,15 @@ class Pipeline:
         scale: Callable[[Tensor], Tensor] | None = None,
         starts_step: bool = True,
         ends_step: bool = True,
+        position_ids: Tensor | None = None,
     ) -> Tensor:
         """Forward and backward of every microbatch; gradients accumulate in the stage parameters as one
         process's would for ``loss_fn`` on the whole batch divided by ``accumulation``. ``starts_step``
         (the first batch of an optimizer step) sets the gradients to None first; ``ends_step`` (its last)
         then sums a tied embedding's two copies' gradients, once for all the step's batches. ``scale`` is
-        applied to each microbatch's loss before its backward (a GradScaler's). Returns the batch's loss,
-        detached, on every stage."""
+        applied to each microbatch's loss before its backward (a GradScaler's). ``position_ids`` of packed
+        rows go to every stage (each rank holds the batch). Returns the batch's loss, detached, on every
+        stage."""
         check_microbatches(input_ids.shape[0], self.microbatches)
         if starts_step:
             for module in self.stage_modules:
@@ -340,20 +342,21 @@ class Pipeline:
         self._weights = ((labels != -100).sum().clamp(min=1), accumulation)
         self._losses = []
         # return_outputs=False: the last stage does not keep every microbatch's logits until the step ends
-        self._train_schedule.step(input_ids, target=labels, return_outputs=False)
+        self._train_schedule.step(input_ids, target=labels, return_outputs=False, **_packed(position_ids))
         # the last n: the first step's shape inference calls the loss once more, before the microbatches
         loss = torch.stack(self._losses[-self.microbatches:]).sum() if self.is_last else None
         if ends_step:
             self._sum_tied_grads()
         return self._broadcast_from_last(loss, labels)
 
-    def forward(self, input_ids: Tensor) -> Tensor | None:
-        """The logits of ``input_ids`` (no backward): on the rank of the last stage; None on the others."""
+    def forward(self, input_ids: Tensor, position_ids: Tensor | None = None) -> Tensor | None:
+        """The logits of ``input_ids`` (and packed rows' ``position_ids``; no backward): on the rank of the
+        last stage; None on the others."""
         size = input_ids.shape[0]  # the most microbatches, up to the training's, that split the batch
         n = next(m for m in range(min(self.microbatches, size), 0, -1) if size % m == 0)
         if n not in self._eval_schedules:
             self._eval_schedules[n] = self._make_eval_schedule(n)
-        return self._eval_schedules[n].eval(input_ids)
+        return self._eval_schedules[n].eval(input_ids, **_packed(position_ids))
 
     def _broadcast_from_last(self, value: Tensor | None, like: Tensor) -> Tensor:
         if value is None:
@@ -374,3 +377,9 @@ class Pipeline:
         grad = self._tied.grad
         local = grad.to_local() if hasattr(grad, "to_local") else grad
         dist.all_reduce(local, group=self.tied_group)
+
+
+def _packed(position_ids: Tensor | None) -> dict[str, Tensor]:
+    """The keyword arguments of every stage's forward: torch's schedules split them into microbatches and
+    hand each stage its own (the positional input reaches the first stage only)."""
+    return {} if position_ids is None else {"position_ids": position_ids}

@@ -1,0 +1,48 @@
+"""Packed rows: several examples (documents) in one row of a batch, told apart by their positions.
+
+A row's ``position_ids`` (Hugging Face's name) restart at 0 where each example starts, so one tensor
+gives both what rotary (or learned) positions need and where each example begins: the tokens from one 0
+to the next are one example. ``Documents`` turns it into what attention needs, once a forward pass,
+shared by every layer: the rotary tables at each token's own position, and a block-diagonal causal mask
+(a query sees the keys of its own example only, at or before it).
+
+    >>> import torch
+    >>> documents = Documents(torch.tensor([[0, 1, 2, 0, 1]]))
+    >>> documents.ids.tolist()
+    [[1, 1, 1, 2, 2]]
+    >>> documents.mask(window=None)[0, 0].int().tolist()
+    [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0], [0, 0, 0, 1, 0], [0, 0, 0, 1, 1]]
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lightning_train.models.rope import RotaryEmbedding
+
+
+class Documents:
+    """The layout of packed rows, from their ``position_ids`` (B, T): an example starts at each 0."""
+
+    def __init__(self, position_ids: torch.Tensor) -> None:
+        if position_ids.dim() != 2:
+            raise ValueError(f"position_ids of shape {tuple(position_ids.shape)} must be (batch, tokens)")
+        self.positions = position_ids
+        self.ids = (position_ids == 0).cumsum(dim=-1)  # the example each token belongs to
+        self._masks: dict[int | None, torch.Tensor] = {}  # by sliding window: built once a forward
+
+    def rope_tables(self, rope: RotaryEmbedding) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin at each token's position, shaped (B, 1, T, dim) to broadcast over the heads."""
+        return rope.cos[self.positions].unsqueeze(1), rope.sin[self.positions].unsqueeze(1)
+
+    def mask(self, window: int | None) -> torch.Tensor:
+        """(B, 1, T, T) booleans: query t sees key s of the same example with s <= t (and, with a sliding
+        window, s > t - window)."""
+        if window not in self._masks:
+            T = self.ids.shape[1]
+            query = torch.arange(T, device=self.ids.device)[:, None]
+            key = torch.arange(T, device=self.ids.device)
+            causal = key <= query if window is None else (key <= query) & (key > query - window)
+            same = self.ids[:, :, None] == self.ids[:, None, :]
+            self._masks[window] = (same & causal).unsqueeze(1)
+        return self._masks[window]
