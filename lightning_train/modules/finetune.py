@@ -7,10 +7,13 @@ Batches are the pretraining ones (``{"input_ids", "labels"}``, label -100 ignore
 the share of response tokens (labels not -100) whose argmax prediction is right.
 
 Weights are loaded in ``configure_model``, right after the model is built, when the parameters are real
-tensors; a strategy that builds the model on the meta device (FSDP) materialises it during its
-``setup``, so there the full state dict is loaded afterwards, in ``on_fit_start`` (before Lightning
-restores a resumed checkpoint, which then wins), with ``set_model_state_dict``, which scatters it to
-the shards.
+tensors (one process, ddp). A strategy that builds the model on the meta device (fsdp, hsdp, tp, pp)
+materialises this rank's shards during its ``setup``; there each rank reads only the slices it keeps, in
+``on_fit_start`` (before Lightning restores a resumed checkpoint, which then wins): safetensors'
+``get_slice`` for HF folders and our exports, DCP for our sharded folders, a memory-mapped ``.ckpt``
+(``checkpoint/slices.py``), so no rank holds the full state dict. A LoRA fine-tune's checkpoint, whose
+adapters are merged into whole weights, is the exception: it is read whole and scattered
+(``set_model_state_dict``).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from torchmetrics import MeanMetric
 
 from lightning_train._compat import attached_trainer
 from lightning_train.checkpoint import open_pretrained, save_safetensors
+from lightning_train.checkpoint.slices import load_slices
 from lightning_train.errors import UserInputError
 from lightning_train.models.generate import generate_batched
 from lightning_train.models.gpt import GPT, GPTConfig
@@ -166,12 +170,15 @@ class FinetuneModule(PretrainModule):
         the LoRA adapters afresh (the strategy initialised them as plain layers)."""
         if not self._weights_pending:
             return
-        if self._pretrained is not None:
+        pretrained = self._pretrained
+        if pretrained is not None and pretrained.slices is not None:
+            load_slices(self.model, pretrained.slices(), self.config, pretrained.source)
+        elif pretrained is not None:
             self._load_full_state_dict()
         reset_lora(self.model)  # A random, B zero: the model starts as it was loaded
         self._weights_pending, self._pretrained = False, None
 
-    def _load_full_state_dict(self) -> None:
+    def _load_full_state_dict(self) -> None:  # the merged weights of a LoRA fine-tune's checkpoint
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
         model, state_dict = self.model, self._pretrained.read_state_dict()
