@@ -40,6 +40,7 @@ Request = tuple[str, Shape, torch.Tensor]
 # a source's reading function: ``read(stack)(key, index)`` reads that index of one of its tensors, its files
 # open while ``stack`` is
 Reader = Callable[[ExitStack], Callable[[str, Index], torch.Tensor]]
+BLOCK_BYTES = 1 << 20  # the most of a slice read into a buffer before it is copied into place
 
 
 @dataclasses.dataclass
@@ -83,8 +84,13 @@ def plan_reader(plan: Plan, shapes: dict[str, Shape], read: Reader) -> Slices:
 
     def fill(requests: list[Request]) -> None:
         for name, offsets, local in requests:
+            row_bytes = local[0].numel() * local.element_size()
+            step = max(1, BLOCK_BYTES // row_bytes)
             with ExitStack() as stack:
-                local.copy_(read_box(plan[name], offsets, local.shape, read(stack)))
+                read_from = read(stack)
+                for first in range(0, len(local), step):  # a block of rows at a time: a bounded buffer
+                    block, at = local[first : first + step], (offsets[0] + first, *offsets[1:])
+                    block.copy_(read_box(plan[name], at, block.shape, read_from))
 
     return Slices(shapes, fill)
 

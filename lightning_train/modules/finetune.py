@@ -158,8 +158,14 @@ class FinetuneModule(PretrainModule):
         if not any(p.requires_grad for p in model.parameters()):
             raise UserInputError("every parameter is frozen; lower freeze_blocks or unset freeze_embeddings")
 
-    def on_fit_start(self) -> None:
+    def init_weights(self) -> None:
+        """Set the model a strategy materialised from the meta device (``initialize.materialize`` calls this
+        instead of drawing initial weights): this rank's slices of ``init_from``, or the GPT's own
+        initialisation without one; the LoRA adapters start afresh."""
         self._load_pending_weights()
+
+    def on_fit_start(self) -> None:
+        self._load_pending_weights()  # a strategy that materialised the model without init_weights()
 
     def on_validation_start(self) -> None:
         if not self.trainer.ckpt_path:  # a checkpoint given to validate() provides the weights
@@ -171,11 +177,16 @@ class FinetuneModule(PretrainModule):
         if not self._weights_pending:
             return
         pretrained = self._pretrained
-        if pretrained is not None and pretrained.slices is not None:
+        if pretrained is None:
+            self.model.init_weights()
+        elif pretrained.slices is not None:
+            self.model.init_buffers()
             load_slices(self.model, pretrained.slices(), self.config, pretrained.source)
-        elif pretrained is not None:
+        else:
+            self.model.init_buffers()
             self._load_full_state_dict()
-        reset_lora(self.model)  # A random, B zero: the model starts as it was loaded
+        if self.lora is not None:  # (peft, which imports transformers, only when there are adapters)
+            reset_lora(self.model)  # A random, B zero: the model starts as it was loaded
         self._weights_pending, self._pretrained = False, None
 
     def _load_full_state_dict(self) -> None:  # the merged weights of a LoRA fine-tune's checkpoint
