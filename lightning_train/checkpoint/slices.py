@@ -19,6 +19,7 @@ are their own whole) and has the source fill it. ``open_pretrained`` gives each 
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Callable, Mapping
 from contextlib import ExitStack
 from pathlib import Path
@@ -134,32 +135,35 @@ def sharded_slices(path: Path, prefix: str) -> Slices:
     return Slices(shapes, lambda requests: read_boxes(path, [(prefix + n, o, t) for n, o, t in requests]))
 
 
-class _Boxes:
-    """Boxes of one saved tensor to read, each into its own tensor: what DCP's load plans for a value
-    through the protocol its DTensors implement (``__create_chunk_list__``, ``__get_tensor_shard__``)."""
-
-    def __init__(self, boxes: list[tuple[tuple[int, ...], torch.Tensor]]) -> None:
-        self.into = {tuple(offsets): tensor for offsets, tensor in boxes}
-
-    def __create_chunk_list__(self) -> list[Any]:
-        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
-
-        return [ChunkStorageMetadata(torch.Size(o), t.shape) for o, t in self.into.items()]
-
-    def __get_tensor_shard__(self, index: Any) -> torch.Tensor:
-        return self.into[tuple(index.offset)]
-
-
 def read_boxes(path: Path, requests: list[Request]) -> None:
     """Fill each ``(name, offsets, tensor)`` of ``requests`` with the box at ``offsets`` of the saved
     LightningModule tensor ``name``: DCP reads only the parts of the shards that hold it. Each rank reads
     on its own (no collective), so pipeline stages may ask for different tensors."""
-    boxes: dict[str, list[tuple[tuple[int, ...], torch.Tensor]]] = {}
-    for name, offsets, tensor in requests:
-        boxes.setdefault(name, []).append((offsets, tensor))
-    from lightning_train.checkpoint.sharded import _load, _local  # the safe reader and planner
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+    from torch.distributed.checkpoint.planner import LoadPlan
+    from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-    _load({"state_dict": {name: _Boxes(each) for name, each in boxes.items()}}, _local(path), no_dist=True)
+    from lightning_train.checkpoint.sharded import _load, _local, _SafeLoadPlanner  # the safe reader, planner
+
+    boxes: dict[str, dict[Shape, torch.Tensor]] = {}
+    for name, offsets, tensor in requests:
+        boxes.setdefault(f"state_dict.{name}", {})[tuple(offsets)] = tensor
+
+    class BoxPlanner(_SafeLoadPlanner):  # DCP's planner for the boxes instead of a state dict's tensors
+        def create_local_plan(self) -> LoadPlan:
+            saved = self.metadata.state_dict_metadata
+            return LoadPlan([
+                item for name, into in boxes.items() for item in create_read_items_for_chunk_list(
+                    name, saved[name], [ChunkStorageMetadata(torch.Size(o), t.shape) for o, t in into.items()]
+                )
+            ])
+
+        def lookup_tensor(self, index: Any) -> torch.Tensor:
+            return boxes[index.fqn][tuple(index.offset)]
+
+    with warnings.catch_warnings():  # no_dist=True is asked for: DCP's note that it assumes so is noise
+        warnings.filterwarnings("ignore", "torch.distributed is disabled, unavailable or uninitialized")
+        _load({}, _local(path), no_dist=True, planner=BoxPlanner(path))
 
 
 def _opened(file: Path, safe_open: Any) -> Any:
