@@ -1,16 +1,17 @@
 """Pretrained weights read a slice at a time: each rank of a sharded model (fsdp, hsdp, tp, pp, composed)
 reads only the part of each weight it keeps, so no rank ever holds the full state dict.
 
-``load_slices(model, pretrained)`` asks each parameter for its box of the whole tensor
+``load_slices(model, slices, config, source)`` asks each parameter for its box of the whole tensor
 (``_compat.local_box``: offsets and sizes from the DTensor's placements; a pipeline stage's plain tensors
-are their own whole) and has the source fill it. ``open_pretrained`` gives each source its reader:
+are their own whole) and has the source fill it, a block of rows at a time. ``open_pretrained`` gives each
+source its reader (``Pretrained.slices``):
 
 - a Hugging Face folder of safetensors (one file, or shards named by ``model.safetensors.index.json``)
   and our export: safetensors' ``get_slice``, through the HF -> ours plan of ``models/hf_weights.py``
   (renames, Llama's q/k/v rows one after another, GPT-NeoX's rows per head, GPT-2's transposed Conv1D:
   every reshape there is a set of row runs, so no tensor is read whole); each file is opened per tensor, so
   the pages it maps are let go before the next;
-- our sharded folders: DCP reads the boxes (``sharded.read_boxes``);
+- our sharded folders: DCP reads the boxes (``read_boxes``), through ``sharded.py``'s safe reader;
 - our ``.ckpt``, a bare ``.pt`` and HF's ``pytorch_model.bin``: one pickle-format file that cannot be read in
   part; it is memory-mapped (``format.read_checkpoint``) and each rank copies its slices, so a node's ranks
   share one copy of the file in the page cache; a rank's resident memory counts the pages it touched.

@@ -8,12 +8,12 @@ the share of response tokens (labels not -100) whose argmax prediction is right.
 
 Weights are loaded in ``configure_model``, right after the model is built, when the parameters are real
 tensors (one process, ddp). A strategy that builds the model on the meta device (fsdp, hsdp, tp, pp)
-materialises this rank's shards during its ``setup``; there each rank reads only the slices it keeps, in
-``on_fit_start`` (before Lightning restores a resumed checkpoint, which then wins): safetensors'
-``get_slice`` for HF folders and our exports, DCP for our sharded folders, a memory-mapped ``.ckpt``
-(``checkpoint/slices.py``), so no rank holds the full state dict. A LoRA fine-tune's checkpoint, whose
-adapters are merged into whole weights, is the exception: it is read whole and scattered
-(``set_model_state_dict``).
+materialises this rank's shards during its ``setup`` and calls ``init_weights`` (another strategy: the load
+waits for ``on_fit_start``), before Lightning restores a resumed checkpoint, which then wins. There each
+rank reads only the slices it keeps: safetensors' ``get_slice`` for HF folders and our exports, DCP for
+our sharded folders, a memory-mapped ``.ckpt`` (``checkpoint/slices.py``), so no rank holds the full state
+dict. A LoRA fine-tune's checkpoint, whose adapters are merged into whole weights, is the exception: it is
+read whole and scattered (``set_model_state_dict``).
 """
 
 from __future__ import annotations
@@ -162,6 +162,10 @@ class FinetuneModule(PretrainModule):
         """Set the model a strategy materialised from the meta device (``initialize.materialize`` calls this
         instead of drawing initial weights): this rank's slices of ``init_from``, or the GPT's own
         initialisation without one; the LoRA adapters start afresh."""
+        if self._pretrained is None:
+            self.model.init_weights()  # from scratch: the GPT's own values
+        else:
+            self.model.init_buffers()  # the rope tables; the weights come from init_from next
         self._load_pending_weights()
 
     def on_fit_start(self) -> None:
@@ -177,13 +181,9 @@ class FinetuneModule(PretrainModule):
         if not self._weights_pending:
             return
         pretrained = self._pretrained
-        if pretrained is None:
-            self.model.init_weights()
-        elif pretrained.slices is not None:
-            self.model.init_buffers()
+        if pretrained is not None and pretrained.slices is not None:
             load_slices(self.model, pretrained.slices(), self.config, pretrained.source)
-        else:
-            self.model.init_buffers()
+        elif pretrained is not None:
             self._load_full_state_dict()
         if self.lora is not None:  # (peft, which imports transformers, only when there are adapters)
             reset_lora(self.model)  # A random, B zero: the model starts as it was loaded
