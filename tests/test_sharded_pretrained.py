@@ -117,10 +117,11 @@ def _run(out: Path, *args: str) -> list[tuple[dict, dict[str, torch.Tensor], tor
 
 
 @pytest.mark.slow  # real process groups: ~1 minute a launch on 2 shared cores
-@pytest.mark.parametrize("layout", [["--devices=2"], ["--devices=2", "--tp=2"]], ids=["fsdp", "tp"])
+@pytest.mark.parametrize("layout", [["--devices=2"], ["--devices=2", "--tp=2"], ["--devices=2", "--pp=2"]],
+                         ids=["fsdp", "tp", "pp"])
 def test_an_hf_folder_loaded_in_slices_gives_one_process_weights_and_logits(tmp_path, layout):
-    """A tiny Llama folder in safetensors shards: each rank reads its slices; gathered, the weights are
-    exactly one process's loading it whole, and the logits the same."""
+    """A tiny Llama folder in safetensors shards: each rank reads its slices (a pipeline stage: its own
+    layers); gathered, the weights are exactly one process's loading it whole, and the logits the same."""
     config = transformers.LlamaConfig(**SMALL | {"vocab_size": 64, "max_position_embeddings": 16})
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "llama", max_shard_size="100KB")
@@ -129,13 +130,16 @@ def test_an_hf_folder_loaded_in_slices_gives_one_process_weights_and_logits(tmp_
     assert one["built_on"] == ["cpu"]
     ranks = _run(tmp_path / "sharded", *layout, source)
     assert len(ranks) == 2
+    held = set()
     for report, weights, logits in ranks:
         assert report["built_on"] == ["meta"]
-        assert report["local_param_bytes"] <= 0.55 * report["model_param_bytes"]
-        assert weights.keys() == whole.keys()
+        assert report["local_param_bytes"] <= 0.8 * report["model_param_bytes"]
         for name, tensor in weights.items():
             torch.testing.assert_close(tensor, whole[name], rtol=0, atol=0, msg=name)
-        torch.testing.assert_close(logits, one_logits, rtol=1e-5, atol=1e-5)
+        if logits is not None:  # not under pipeline parallelism: a stage's output is not the logits
+            torch.testing.assert_close(logits, one_logits, rtol=1e-5, atol=1e-5)
+        held |= weights.keys()
+    assert held == whole.keys()
 
 
 @pytest.mark.slow
