@@ -166,3 +166,31 @@ def test_muon_orthogonalise_and_adjusted_lr():
     assert singular.shape == (16,) and singular.min() > 0.5 and singular.max() < 1.5  # ~orthogonal, Muon's
     adjusted = _compat.muon_adjusted_lr(0.01, "match_rms_adamw", torch.Size([96, 32]))
     assert abs(adjusted - 0.002 * 96**0.5) < 1e-12  # 0.2 x sqrt(the larger side) x lr
+
+
+def test_local_box():
+    """Each rank's box of the whole tensor, on a 2 x 2 mesh of torch's fake process group (every rank in
+    turn), is exactly what ``distribute_tensor`` keeps there, uneven shards included; a plain tensor is
+    its own whole."""
+    assert _compat.local_box(torch.zeros(3, 4)) == ((0, 0), (3, 4))
+    script = """
+import torch, torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from torch.testing._internal.distributed.fake_pg import FakeStore
+from lightning_train._compat import local_box
+whole = torch.arange(5 * 7.0).view(5, 7)
+for rank in range(4):
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=4)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    for placements in [(Shard(0), Shard(1)), (Shard(0), Shard(0)), (Replicate(), Shard(0)),
+                       (Shard(1), Replicate())]:
+        local = distribute_tensor(whole, mesh, placements, src_data_rank=None)
+        offsets, sizes = local_box(local)
+        box = tuple(slice(o, o + s) for o, s in zip(offsets, sizes))
+        assert torch.equal(whole[box], local.to_local()), (rank, placements, offsets, sizes)
+    dist.destroy_process_group()
+print("ok")
+"""
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.stdout.strip() == "ok", result.stderr[-2000:]

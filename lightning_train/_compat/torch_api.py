@@ -134,6 +134,21 @@ def fake_process_group(rank: int, world_size: int) -> Iterator[None]:
         torch.distributed.destroy_process_group()
 
 
+def local_box(tensor: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The part of the whole tensor a DTensor's local shard holds, as (offsets, sizes), each per
+    dimension: ``compute_local_shape_and_global_offset`` of ``torch.distributed.tensor._utils`` (torch
+    2.4-2.13; what DCP's ``__create_chunk_list__`` uses), which knows every placement, FSDP2 over tensor
+    parallelism's ``_StridedShard`` included. A plain tensor is its own whole."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    if not isinstance(tensor, DTensor):
+        return (0,) * tensor.dim(), tuple(tensor.shape)
+    mesh, placements = tensor.device_mesh, tensor.placements
+    sizes, offsets = compute_local_shape_and_global_offset(tensor.shape, mesh, placements)
+    return tuple(offsets), tuple(sizes)
+
+
 def forward_only_v_schedule(stages: Sequence[Any], microbatches: int) -> Any:
     """A schedule whose ``eval`` runs ``stages`` placed in a V (rank r: stages r and 2 x pp - 1 - r):
     ``ScheduleZBVZeroBubble`` with its input-gradient action skipped. torch's own V-shaped ``eval`` fails

@@ -32,6 +32,13 @@ from lightning_train.checkpoint.model_folder import (
     is_our_export,
     read_gpt_config,
 )
+from lightning_train.checkpoint.slices import (
+    Slices,
+    hf_slices,
+    safetensors_slices,
+    sharded_slices,
+    state_dict_slices,
+)
 from lightning_train.data.meta import tokenizer_spec
 from lightning_train.data.tokenizers import ByteTokenizer, folder_tokenizer
 from lightning_train.errors import CorruptCheckpointError, UserInputError
@@ -83,6 +90,7 @@ class Pretrained:
     read_state_dict: Callable[[], StateDict]
     lora: LoRAConfig | None = None
     read_adapted: Callable[[], nn.Module] | None = None
+    slices: Callable[[], Slices] | None = None  # the source read in part (checkpoint/slices.py); None: whole
 
     def build(self) -> GPT:
         """A ``GPT`` with these weights, in their dtype (on the CPU, in eval mode): a bf16 folder gives
@@ -141,7 +149,10 @@ def open_pretrained(
     if path.suffix == ".safetensors":
         config = config or read_gpt_config(path.parent / CONFIG_FILE)
         tokenizer = tokenizer or _byte_if_fits(config)
-        return Pretrained(str(path), config, tokenizer, lambda: read_safetensors(path))
+        return Pretrained(
+            str(path), config, tokenizer, lambda: read_safetensors(path),
+            slices=lambda: safetensors_slices(path),
+        )
     if path.suffix not in PICKLE_SUFFIXES:
         raise UserInputError(
             f"{str(source)!r} is not a checkpoint this package reads: use a Lightning .ckpt, "
@@ -152,7 +163,10 @@ def open_pretrained(
     if "state_dict" not in checkpoint:  # a bare state dict
         if config is None:
             raise UserInputError(f"{str(source)!r} is a bare state dict; give its model.config to load it")
-        return Pretrained(str(path), config, tokenizer or _byte_if_fits(config), lambda: checkpoint)
+        return Pretrained(
+            str(path), config, tokenizer or _byte_if_fits(config), lambda: checkpoint,
+            slices=lambda: state_dict_slices(checkpoint),
+        )
     return _from_lightning_checkpoint(path, checkpoint, config)
 
 
@@ -244,7 +258,15 @@ def _from_lightning_checkpoint(
     def read_state_dict() -> StateDict:
         return merge_lora(read_adapted()).state_dict() if lora else network_weights()
 
-    return Pretrained(source, config, tokenizer, read_state_dict, lora, read_adapted if lora else None)
+    def slices() -> Slices:
+        if read_shards is not None:
+            return sharded_slices(path, MODULE_PREFIX)
+        return state_dict_slices(network_weights())  # memory-mapped
+
+    return Pretrained(
+        source, config, tokenizer, read_state_dict, lora, read_adapted if lora else None,
+        None if lora else slices,  # adapters are merged into whole weights: not in slices
+    )
 
 
 def _tokenizer_of_data(checkpoint: dict[str, Any]) -> str | None:
@@ -279,22 +301,30 @@ def _from_hf_folder(path: Path, tokenizer: str | None, allow_pickle: bool) -> Pr
     except ValueError as err:
         raise UserInputError(f"{str(config_path)!r} is not valid JSON: {err}") from err
     config = config_from_hf(hf, str(path))
+
+    def read_file(file: Path) -> StateDict:
+        return _read_weights_file(file, allow_pickle)
+
+    def read_state_dict() -> StateDict:
+        weights = {k: v for file in _hf_weight_files(path) for k, v in read_file(file).items()}
+        return state_dict_from_hf(weights, config, str(path))
+
     return Pretrained(
-        str(path), config, tokenizer,
-        lambda: state_dict_from_hf(_read_hf_weights(path, allow_pickle), config, str(path)),
+        str(path), config, tokenizer, read_state_dict,
+        slices=lambda: hf_slices(_hf_weight_files(path), config, str(path), read_file),
     )
 
 
-def _read_hf_weights(path: Path, allow_pickle: bool) -> StateDict:
-    """All tensors of the folder: ``model.safetensors``, its shards, or (pickle) ``pytorch_model.bin``."""
+def _hf_weight_files(path: Path) -> list[Path]:
+    """The folder's weight files: ``model.safetensors``, its shards, or (pickle) ``pytorch_model.bin``."""
     for index_name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
         index = path / index_name
         if index.is_file():
             shards = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
-            return {k: v for name in shards for k, v in _read_weights_file(path / name, allow_pickle).items()}
+            return [path / name for name in shards]
     for name in ("model.safetensors", "pytorch_model.bin"):
         if (path / name).is_file():
-            return _read_weights_file(path / name, allow_pickle)
+            return [path / name]
     raise UserInputError(f"{str(path)!r} has no model.safetensors (or pytorch_model.bin); nothing to load")
 
 

@@ -106,11 +106,14 @@ def _local(path: str | Path) -> Path:
     return remote.local_checkpoint(path) if storage.is_remote(path) else Path(path)
 
 
-def _load(state: dict[str, Any], path: str | Path) -> None:
+def _load(
+    state: dict[str, Any], path: str | Path, no_dist: bool = False, planner: _SafeLoadPlanner | None = None
+) -> None:
     """``torch.distributed.checkpoint.load`` through the safe reader and planner."""
     from torch.distributed.checkpoint import load
 
-    load(state, storage_reader=_SafeReader(str(path)), planner=_SafeLoadPlanner(path))
+    planner = planner or _SafeLoadPlanner(path)
+    load(state, storage_reader=_SafeReader(str(path)), planner=planner, no_dist=no_dist)
 
 
 def checkpoint_tensor_shapes(path: str | Path, section: str = "state_dict") -> dict[str, tuple[int, ...]]:

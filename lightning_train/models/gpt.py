@@ -138,7 +138,15 @@ class GPT(nn.Module):
                     nn.init.zeros_(module.bias)
             elif isinstance(module, nn.Embedding):
                 seeded_normal_(module.weight, std, tensor_seed(self.init_seed, f"{name}.weight"))
-            elif isinstance(module, (nn.RMSNorm, nn.LayerNorm, RotaryEmbedding)):
+            elif isinstance(module, (nn.RMSNorm, nn.LayerNorm)):
+                module.reset_parameters()
+        self.init_buffers()
+
+    def init_buffers(self) -> None:
+        """Compute the rotary tables: derived from the config, never in a checkpoint (loading weights
+        into a model materialised from the meta device leaves them to this)."""
+        for module in self.modules():
+            if isinstance(module, RotaryEmbedding):
                 module.reset_parameters()
 
     def forward(

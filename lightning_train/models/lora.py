@@ -168,9 +168,10 @@ def adapters(model: nn.Module) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     }
 
 
-def to_adapted_names(state_dict: dict[str, torch.Tensor], model: nn.Module) -> dict[str, torch.Tensor]:
-    """A plain ``GPT`` state dict in the names of ``model`` after ``apply_lora`` (the adapted weights
-    under ``<layer>.base_layer``, the fused qkv split where it was); the adapters themselves are left out."""
+def plain_names(model: nn.Module) -> dict[str, tuple[str, int]]:
+    """Each weight of ``model`` after ``apply_lora`` (adapters left out) as ``(name, first_row)`` in a plain
+    ``GPT``'s state dict: the adapted weights sit under ``<layer>.base_layer``, and a split qkv's q, k and v
+    are rows of the fused ``qkv``."""
     splits = {name: m.sizes for name, m in model.named_modules() if isinstance(m, SplitQKV)}
     out = {}
     for key in model.state_dict():
@@ -180,10 +181,21 @@ def to_adapted_names(state_dict: dict[str, torch.Tensor], model: nn.Module) -> d
         layer, _, kind = plain.rpartition(".")
         fused, _, part = layer.rpartition(".")
         if fused in splits and part in PROJECTIONS:
-            out[key] = state_dict[f"{fused}.{kind}"].split(splits[fused])[PROJECTIONS.index(part)]
-        elif plain in state_dict:
-            out[key] = state_dict[plain]
+            index = PROJECTIONS.index(part)
+            out[key] = (f"{fused}.{kind}", sum(splits[fused][:index]))
+        else:
+            out[key] = (plain, 0)
     return out
+
+
+def to_adapted_names(state_dict: dict[str, torch.Tensor], model: nn.Module) -> dict[str, torch.Tensor]:
+    """A plain ``GPT`` state dict in the names of ``model`` after ``apply_lora`` (``plain_names``); the
+    adapters themselves are left out."""
+    own = model.state_dict()
+    return {  # views of the rows each holds
+        key: state_dict[plain].narrow(0, row, len(own[key]))
+        for key, (plain, row) in plain_names(model).items() if plain in state_dict
+    }
 
 
 def reset_lora(model: nn.Module) -> None:

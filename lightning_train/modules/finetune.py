@@ -9,10 +9,13 @@ Batches are the pretraining ones (``{"input_ids", "labels"}``, label -100 ignore
 the share of response tokens (labels not -100) whose argmax prediction is right.
 
 Weights are loaded in ``configure_model``, right after the model is built, when the parameters are real
-tensors; a strategy that builds the model on the meta device (FSDP) materialises it during its
-``setup``, so there the full state dict is loaded afterwards, in ``on_fit_start`` (before Lightning
-restores a resumed checkpoint, which then wins), with ``set_model_state_dict``, which scatters it to
-the shards.
+tensors (one process, ddp). A strategy that builds the model on the meta device (fsdp, hsdp, tp, pp)
+materialises this rank's shards during its ``setup`` and calls ``init_weights`` (another strategy: the load
+waits for ``on_fit_start``), before Lightning restores a resumed checkpoint, which then wins. There each
+rank reads only the slices it keeps: safetensors' ``get_slice`` for HF folders and our exports, DCP for
+our sharded folders, a memory-mapped ``.ckpt`` (``checkpoint/slices.py``), so no rank holds the full state
+dict. A LoRA fine-tune's checkpoint, whose adapters are merged into whole weights, is the exception: it is
+read whole and scattered (``set_model_state_dict``).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from torchmetrics import MeanMetric
 from lightning_train._compat import attached_trainer
 from lightning_train.checkpoint import open_pretrained, save_safetensors
 from lightning_train.checkpoint.model_folder import save_tokenizer
+from lightning_train.checkpoint.slices import load_slices
 from lightning_train.errors import UserInputError
 from lightning_train.models.generate import generate_batched
 from lightning_train.models.gpt import GPT, GPTConfig
@@ -165,8 +169,18 @@ class FinetuneModule(PretrainModule):
         if not any(p.requires_grad for p in model.parameters()):
             raise UserInputError("every parameter is frozen; lower freeze_blocks or unset freeze_embeddings")
 
-    def on_fit_start(self) -> None:
+    def init_weights(self) -> None:
+        """Set the model a strategy materialised from the meta device (``initialize.materialize`` calls this
+        instead of drawing initial weights): this rank's slices of ``init_from``, or the GPT's own
+        initialisation without one; the LoRA adapters start afresh."""
+        if self._pretrained is None:
+            self.model.init_weights()  # from scratch: the GPT's own values
+        else:
+            self.model.init_buffers()  # the rope tables; the weights come from init_from next
         self._load_pending_weights()
+
+    def on_fit_start(self) -> None:
+        self._load_pending_weights()  # a strategy that materialised the model without init_weights()
 
     def on_validation_start(self) -> None:
         if not self.trainer.ckpt_path:  # a checkpoint given to validate() provides the weights
@@ -177,12 +191,16 @@ class FinetuneModule(PretrainModule):
         the LoRA adapters afresh (the strategy initialised them as plain layers)."""
         if not self._weights_pending:
             return
-        if self._pretrained is not None:
+        pretrained = self._pretrained
+        if pretrained is not None and pretrained.slices is not None:
+            load_slices(self.model, pretrained.slices(), self.config, pretrained.source)
+        elif pretrained is not None:
             self._load_full_state_dict()
-        reset_lora(self.model)  # A random, B zero: the model starts as it was loaded
+        if self.lora is not None:  # (peft, which imports transformers, only when there are adapters)
+            reset_lora(self.model)  # A random, B zero: the model starts as it was loaded
         self._weights_pending, self._pretrained = False, None
 
-    def _load_full_state_dict(self) -> None:
+    def _load_full_state_dict(self) -> None:  # the merged weights of a LoRA fine-tune's checkpoint
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
         model, state_dict = self.model, self._pretrained.read_state_dict()

@@ -4,7 +4,9 @@ only its own shards (``to_empty``) and initialises them.
 A module with an ``init_weights()`` (our ``GPT``: layout-independent values, ``models.init``; the
 convention of torchtitan and transformers) initialises itself and everything under it; any other module
 gets its own ``reset_parameters()`` (PyTorch's layers), which, for a model of the user's own, gives
-correct but layout-dependent values on CPU (DTensor's RNG matches one process on CUDA only).
+correct but layout-dependent values on CPU (DTensor's RNG matches one process on CUDA only). A
+LightningModule with an ``init_weights()`` of its own sets everything allocated under it instead
+(``FinetuneModule``: this rank's slices of its pretrained weights, no values drawn to be overwritten).
 """
 
 from __future__ import annotations
@@ -18,8 +20,16 @@ from lightning_train.errors import UserInputError
 @torch.no_grad()
 def materialize(module: nn.Module, device: torch.device) -> None:
     """Allocate the meta tensors under ``module`` (a LightningModule) on ``device``, a sharded parameter
-    only its local shard, and initialise them. Each child whose tensors are all on meta is materialised
-    whole (``to_empty``); the rest (metric states, weights already loaded) is left as it is."""
+    only its local shard, and initialise them (its own ``init_weights()``, where it has one). Each child
+    whose tensors are all on meta is materialised whole (``to_empty``); the rest (metric states, weights
+    already loaded) is left as it is."""
+    own_init = getattr(module, "init_weights", None)
+    _allocate(module, device, initialise=not callable(own_init))
+    if callable(own_init):
+        own_init()
+
+
+def _allocate(module: nn.Module, device: torch.device, initialise: bool) -> None:
     for child in module.children():
         tensors = _tensors(child)
         if not any(t.is_meta for t in tensors):
@@ -31,9 +41,10 @@ def materialize(module: nn.Module, device: torch.device) -> None:
                 for name in others:
                     owner, _, leaf = name.rpartition(".")
                     child.get_submodule(owner).register_parameter(leaf, child.get_parameter(first))
-            _initialise(child)
+            if initialise:
+                _initialise(child)
         else:
-            materialize(child, device)
+            _allocate(child, device, initialise)
     left = [name for name, t in [*module.named_parameters(), *module.named_buffers()] if t.is_meta]
     if left:
         raise UserInputError(

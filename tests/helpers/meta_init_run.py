@@ -5,7 +5,8 @@ Each rank writes ``<out>/rank<R>.json``: the devices of the parameters right aft
 (before the strategy's setup), the parameter bytes this rank holds after setup and the whole model's, and
 the rise of the process's peak resident memory (VmHWM) from before the model is built to the first
 step; and ``<out>/rank<R>.safetensors``: the whole (gathered) tensors of the parameters its stages hold,
-as initialised, before any step.
+as initialised (or loaded: ``--init_from``) before the first step, with ``<out>/rank<R>.logits.safetensors``,
+the whole logits of fixed tokens then (without pipeline parallelism).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
+import torch
 from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor
 
@@ -37,8 +39,9 @@ def peak_rss_bytes() -> int:
 
 
 class BuildRecorder(L.Callback):
-    """Records the build: devices after configure_model (the module's hook below), bytes and weights at
-    fit start (after the strategy's setup), the peak-memory rise at the first step."""
+    """Records the build: devices after configure_model (the module's hook below), bytes at fit start
+    (after the strategy's setup), the peak-memory rise, weights and logits at the first step (after the
+    module's own on_fit_start, which loads ``init_from`` into a sharded model)."""
 
     def __init__(self, out: Path, save_weights: bool) -> None:
         self.out, self.save_weights, self.report = out, save_weights, {}
@@ -52,15 +55,23 @@ class BuildRecorder(L.Callback):
         self.report["local_param_bytes"] = sum(t.numel() * t.element_size() for t in local)
         self.report["model_param_bytes"] = pl_module.whole_model_bytes
         self.report["built_on"] = pl_module.built_on
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        if "rss_rise" in self.report:
+            return
+        self.report["rss_rise"] = peak_rss_bytes() - self.report["rss_before_build"]
+        (self.out / f"rank{trainer.global_rank}.json").write_text(json.dumps(self.report))
         if self.save_weights:  # gathered whole: off where the peak memory is measured
+            params = dict(pl_module.model.named_parameters())
             whole = {n: (p.full_tensor() if isinstance(p, DTensor) else p) for n, p in params.items()}
             tensors = {n: t.detach().cpu().contiguous() for n, t in whole.items()}
             save_file(tensors, self.out / f"rank{trainer.global_rank}.safetensors")
-
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
-        if "rss_rise" not in self.report:
-            self.report["rss_rise"] = peak_rss_bytes() - self.report["rss_before_build"]
-            (self.out / f"rank{trainer.global_rank}.json").write_text(json.dumps(self.report))
+            if getattr(trainer.strategy, "pipeline", None) is None:  # each rank runs the model (its shards)
+                with torch.no_grad():
+                    logits = pl_module.model(torch.arange(12).view(2, 6) % pl_module.config.vocab_size)
+                logits = logits.full_tensor() if isinstance(logits, DTensor) else logits
+                path = self.out / f"rank{trainer.global_rank}.logits.safetensors"
+                save_file({"logits": logits.float().contiguous()}, path)
 
 
 def recording(base: type) -> type:
