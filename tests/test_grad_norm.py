@@ -19,11 +19,11 @@ import torch
 
 from lightning_train._compat import end_distributed_process
 from lightning_train.callbacks import GradNormMonitor
+from lightning_train.data import TextDataModule
 from lightning_train.errors import UserInputError
 from lightning_train.models.gpt import GPT, GPTConfig
 from lightning_train.modules import PretrainModule
 from tests.conftest import REPO, cli_env, run_cli
-from tests.helpers.nan_faults import PatternDataModule
 from tests.helpers.tiny_runs import TINY, FixedBatches, MemoryLogger
 
 
@@ -65,7 +65,7 @@ def clipped_run(tmp_path_factory):
     L.seed_everything(0)
     logger, recorder, monitor = MemoryLogger(), RecordTensors(), GradNormMonitor(log_every_n_steps=2)
     trainer = L.Trainer(
-        max_steps=6, accelerator="cpu", logger=logger, callbacks=[recorder, monitor], gradient_clip_val=0.95,
+        max_steps=6, accelerator="cpu", logger=logger, callbacks=[recorder, monitor], gradient_clip_val=1.02,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         default_root_dir=tmp_path_factory.mktemp("run"),
     )
@@ -89,7 +89,7 @@ def test_logged_grad_norms_equal_independent_norms_of_the_same_gradients(clipped
 def test_clip_fraction_counts_the_steps_above_gradient_clip_val(clipped_run):
     logger, recorder, _ = clipped_run
     totals = [norms_by_group(grads)["total"] for grads in recorder.grads]
-    clipped = [total > 0.95 for total in totals]
+    clipped = [total > 1.02 for total in totals]
     assert 0 < sum(clipped) < len(clipped), f"the run should clip some steps only: {totals}"
     expected = [sum(clipped[i:i + 2]) / 2 for i in (0, 2, 4)]
     assert logger.series("health/clip_fraction") == pytest.approx(expected)
@@ -266,19 +266,20 @@ def test_no_norm_records_an_autograd_graph(tmp_path):
 
 
 def test_clip_fraction_of_an_interval_cut_by_a_resume_is_the_uninterrupted_one(tmp_path):
-    """Steps 4-6 form one logging interval; a resume after step 4 must still count step 4's clip."""
+    """Steps 4-6 form one logging interval (norms 1.535, 1.539, 1.510: 4 and 5 clipped); a resume after step
+    4 must still count step 4's clip. TextDataModule resumes exactly and ``decay_steps`` is fixed, so the
+    4-step and the 6-step runs take the same steps."""
     def fit(max_steps: int, ckpt_path=None) -> tuple[L.Trainer, MemoryLogger]:
         torch.manual_seed(0)
         logger = MemoryLogger()
         trainer = L.Trainer(
             max_steps=max_steps, accelerator="cpu", logger=logger, log_every_n_steps=3,
-            callbacks=[GradNormMonitor(log_every_n_steps=3)], gradient_clip_val=1.1,
+            callbacks=[GradNormMonitor(log_every_n_steps=3)], gradient_clip_val=1.52,
             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
             default_root_dir=tmp_path,
         )
-        module = PretrainModule(GPTConfig(**TINY), learning_rate=1e-2, warmup_steps=1)
-        data = PatternDataModule(vocab_size=258, batch_size=4)
-        trainer.fit(module, data, ckpt_path=ckpt_path, weights_only=False)
+        module = PretrainModule(GPTConfig(**TINY), learning_rate=1e-2, warmup_steps=1, decay_steps=100)
+        trainer.fit(module, TextDataModule(seq_len=16, batch_size=4), ckpt_path=ckpt_path, weights_only=False)
         return trainer, logger
 
     _, uninterrupted = fit(6)
