@@ -120,6 +120,13 @@ class PretrainModule(L.LightningModule):
         """The network; called once in ``configure_model`` (under the strategy's init context)."""
         return GPT(self.config)
 
+    @property
+    def builds_on_meta(self) -> bool:
+        """Whether a sharding strategy may build the model on the meta device: the ``GPT``'s initial weights
+        are one process's under any layout (``models.init``). An overridden ``build_model`` is built on the
+        device (its own init, the same on every rank) unless the subclass returns True here."""
+        return type(self).build_model is PretrainModule.build_model
+
     def compute_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Mean next-token cross-entropy over the labels that are not -100. Under tensor parallelism the
         logits are a DTensor sharded by vocabulary (``ParallelStrategy(loss_parallel=True)``, the default),

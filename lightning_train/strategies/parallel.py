@@ -312,9 +312,11 @@ class ParallelStrategy(ProcessGroup, ShardedCheckpoints, ModelParallelStep, pl.s
     # ---- the model, laid out -------------------------------------------------------------------------
     @contextmanager
     def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
-        """On the meta device wherever a layout may shard (fsdp, hsdp, tp, pp, ``"auto"`` over several ranks):
-        no rank holds the whole model; ``setup`` materialises its shards. One process and ddp: the device."""
-        on_meta = self.world_size > 1 and self.sharding != "ddp"
+        """On the meta device wherever a layout may shard (fsdp, hsdp, tp, pp, ``"auto"`` over several ranks)
+        and the LightningModule says its model initialises the same under any layout (``builds_on_meta``:
+        ours do): no rank holds the whole model; ``setup`` materialises its shards. Else on the device."""
+        module = self.lightning_module
+        on_meta = self.world_size > 1 and self.sharding != "ddp" and getattr(module, "builds_on_meta", False)
         with super().tensor_init_context(empty_init), torch.device("meta") if on_meta else nullcontext():
             yield  # meta innermost: it wins over the root device
 
