@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+import signal
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator
@@ -352,6 +353,9 @@ _worker_tokenizer: Tokenizer | None = None  # one per pool worker, built by _ini
 
 def _init_worker(spec: str) -> None:
     global _worker_tokenizer
+    # A forked worker inherits the parent's Python signal handlers, e.g. Lightning's SIGTERM handler that
+    # only logs: the SIGTERM of the pool's exit must end the worker, or that exit waits for it forever.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     _worker_tokenizer = load_tokenizer(spec)
 
 
