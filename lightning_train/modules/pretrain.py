@@ -2,9 +2,8 @@
 
 Override ``build_model`` (another architecture), ``compute_loss`` (another objective) or
 ``configure_param_groups`` (other weight-decay / LR rules); everything else stays as is.
-The config's ``vocab_size`` may be left None: the model then gets the data's vocabulary (a data module's
-``vocab_size``, or its tokenizer's) padded up to a multiple of 64 for speed, when ``fit``/``validate`` sets
-it up; a ``vocab_size`` smaller than the data's is refused.
+The config's ``vocab_size`` may be left None: the model then gets the data's (a data module's ``vocab_size``,
+or its tokenizer's) padded to a multiple of 64, at set-up; a smaller ``vocab_size`` is refused.
 """
 
 from __future__ import annotations
@@ -31,8 +30,7 @@ from lightning_train.plugins.step import step_control
 
 
 def warmup_cosine(step: int, warmup_steps: int, decay_steps: int, min_lr_ratio: float) -> float:
-    """LR multiplier: linear warmup from ~0 to 1 over ``warmup_steps``, then cosine decay to
-    ``min_lr_ratio`` at ``decay_steps``, constant after that."""
+    """LR multiplier: linear warmup to 1 over ``warmup_steps``, cosine to ``min_lr_ratio`` at decay_steps."""
     if step < warmup_steps:
         return (step + 1) / warmup_steps
     if step >= decay_steps:
@@ -122,9 +120,8 @@ class PretrainModule(L.LightningModule):
 
     @property
     def builds_on_meta(self) -> bool:
-        """Whether a sharding strategy may build the model on the meta device: the ``GPT``'s initial weights
-        are one process's under any layout (``models.init``). An overridden ``build_model`` is built on the
-        device (its own init, the same on every rank) unless the subclass returns True here."""
+        """A sharding strategy may build the model on meta: the ``GPT``'s initial weights are one process's
+        under any layout (``models.init``); an overridden ``build_model`` returns False unless told."""
         return type(self).build_model is PretrainModule.build_model
 
     def compute_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -153,15 +150,13 @@ class PretrainModule(L.LightningModule):
         return [group for group in groups if group["params"]]  # DCP's optimizer state refuses an empty group
 
     def prepare_model(self, model: nn.Module) -> nn.Module:
-        """What happens to the freshly built network before the speed settings: nothing here;
-        FinetuneModule loads the starting weights, adds LoRA adapters and freezes."""
+        """The built network before the speed settings: as is here; FinetuneModule adds LoRA, freezes."""
         return model
 
     # ---- Lightning hooks ------------------------------------------------------------------------
     def configure_model(self) -> None:
         """Builds the model once, the same way for every module: ``build_model``, ``prepare_model``, then
-        float8 Linear layers and ``torch.compile`` as the hyper-parameters ask. It changes no process-wide
-        setting: TF32 is the CLI's (or the user's own ``torch.set_float32_matmul_precision("high")``)."""
+        float8 and ``torch.compile`` as asked. No process-wide setting: TF32 is the CLI's (or the user's)."""
         if self.model is not None:
             return
         if getattr(self.config, "vocab_size", 0) is None:
@@ -189,8 +184,7 @@ class PretrainModule(L.LightningModule):
             self.configure_model()  # so the model exists outside a Trainer too, e.g. in tests
 
     def _fit_config_to(self, datamodule: Any) -> None:
-        """Take the data's vocabulary size (padded) where the config has none; refuse data the model cannot
-        read."""
+        """Take the data's vocabulary size (padded) where the config has none; refuse data it cannot read."""
         max_id, seq_len = getattr(datamodule, "max_token_id", None), getattr(datamodule, "seq_len", None)
         data_vocab_size = _data_vocab_size(datamodule)
         if self.config.vocab_size is None and data_vocab_size is not None:
