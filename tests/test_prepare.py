@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import multiprocessing
-import signal
 from pathlib import Path
 
 import numpy as np
@@ -228,17 +227,3 @@ def test_default_corpus_builds_once_and_survives_a_race(tmp_path: Path, monkeypa
     with pytest.raises(UserInputError, match="set LIGHTNING_TRAIN_CACHE to a writable folder") as err:
         default_corpus_dir()
     assert str(tmp_path / "file") in str(err.value)
-
-
-def test_a_tokenizer_worker_ends_on_sigterm_whatever_handler_its_parent_had():
-    """Lightning's SIGTERM handler (installed by any in-process Trainer run) only logs; a pool worker forked
-    from such a process inherited it, so a worker stuck at the pool's exit ignored its SIGTERM and the exit
-    waited forever (a test hung CI this way). Each worker restores the default action first."""
-    from lightning_train.data.shards import _init_worker
-
-    before = signal.signal(signal.SIGTERM, lambda signum, frame: None)  # as the parent's handler
-    try:
-        _init_worker("byte")  # what each forked worker runs first
-        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
-    finally:
-        signal.signal(signal.SIGTERM, before)

@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
-import signal
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator
@@ -349,13 +348,14 @@ class _ShardWriter:
 
 
 _worker_tokenizer: Tokenizer | None = None  # one per pool worker, built by _init_worker
+# Tokenizer workers start as fresh interpreters. One forked from a process with threads (W&B's, a progress
+# bar's, a Trainer run in-process before) can inherit a lock held at the fork and hang, and keep the
+# parent's SIGTERM handler (Lightning's only logs), so the pool's exit could wait for it forever.
+WORKER_CONTEXT = multiprocessing.get_context("spawn")
 
 
 def _init_worker(spec: str) -> None:
     global _worker_tokenizer
-    # A forked worker inherits the parent's Python signal handlers, e.g. Lightning's SIGTERM handler that
-    # only logs: the SIGTERM of the pool's exit must end the worker, or that exit waits for it forever.
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     _worker_tokenizer = load_tokenizer(spec)
 
 
@@ -382,7 +382,7 @@ def _encode_in_order(
         return
     pieces = iter(pieces)
     batch_size = 64 * num_workers
-    with multiprocessing.Pool(num_workers, initializer=_init_worker, initargs=(tok.name,)) as pool:
+    with WORKER_CONTEXT.Pool(num_workers, initializer=_init_worker, initargs=(tok.name,)) as pool:
         in_flight: deque = deque()
         while batch := list(islice(pieces, batch_size)):
             in_flight.append((batch, pool.map_async(_encode_in_worker, batch, chunksize=8)))
