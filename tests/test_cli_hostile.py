@@ -9,6 +9,7 @@ command runs in this process (``run_cli_in_process``) and must end with that exi
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import shutil
 from collections.abc import Callable
@@ -18,7 +19,6 @@ from typing import NamedTuple
 import pytest
 
 from lightning_train.checkpoint import save_safetensors
-from lightning_train.data import shards
 from lightning_train.models.gpt import GPT, GPTConfig
 from tests.conftest import run_cli_in_process
 from tests.test_cli_errors import CONFIG, TINY
@@ -302,14 +302,14 @@ def test_prepare_caps_a_million_tokenizer_processes_at_the_cores(
     """``--num_workers 1000000`` (a pool that large took the machine down) starts one process per core
     this process may run on, and prepares the data."""
     pools: list[int] = []
-    real_pool = shards.WORKER_CONTEXT.Pool
+    real_pool = multiprocessing.Pool
 
     def counted_pool(processes: int, **kwargs: object) -> object:
         pools.append(processes)
         return real_pool(processes, **kwargs)
 
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)  # two cores
-    monkeypatch.setattr(shards.WORKER_CONTEXT, "Pool", counted_pool)
+    monkeypatch.setattr(multiprocessing, "Pool", counted_pool)
     result = run_cli_in_process(
         "prepare", "--inputs", "[doc.txt]", "--output_dir", "out", "--num_workers", "1000000", cwd=workspace)
     assert result.returncode == 0, result.stderr[-3000:]

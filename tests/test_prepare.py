@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import signal
 from pathlib import Path
 
 import numpy as np
@@ -227,3 +228,25 @@ def test_default_corpus_builds_once_and_survives_a_race(tmp_path: Path, monkeypa
     with pytest.raises(UserInputError, match="set LIGHTNING_TRAIN_CACHE to a writable folder") as err:
         default_corpus_dir()
     assert str(tmp_path / "file") in str(err.value)
+
+
+def _record_sigterm_action(path: str) -> None:
+    Path(path).write_text(str(signal.getsignal(signal.SIGTERM) is signal.SIG_DFL))
+
+
+def test_tokenizer_workers_are_forked_with_sigterms_default_action(tmp_path: Path, monkeypatch):
+    """Lightning's SIGTERM handler (set by any in-process Trainer run) only logs: a worker that inherited it
+    and was stuck from the fork outlived the SIGTERM of the pool's exit, which then waited forever (CI hung
+    so). Each worker starts with the default action; the parent gets its own handler back."""
+    from lightning_train.data import shards
+
+    records = [tmp_path / "worker0", tmp_path / "worker1"]
+    handler = lambda signum, frame: None  # noqa: E731  (as Lightning's: it only logs)
+    before = signal.signal(signal.SIGTERM, handler)
+    try:
+        with shards._tokenizer_pool(2, "byte") as pool:
+            pool.map(_record_sigterm_action, [str(p) for p in records])
+        assert signal.getsignal(signal.SIGTERM) is handler
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert [p.read_text() for p in records] == ["True", "True"]

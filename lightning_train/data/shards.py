@@ -19,7 +19,10 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import multiprocessing.pool
 import os
+import signal
+import threading
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator
@@ -348,10 +351,6 @@ class _ShardWriter:
 
 
 _worker_tokenizer: Tokenizer | None = None  # one per pool worker, built by _init_worker
-# Tokenizer workers start as fresh interpreters. One forked from a process with threads (W&B's, a progress
-# bar's, a Trainer run in-process before) can inherit a lock held at the fork and hang, and keep the
-# parent's SIGTERM handler (Lightning's only logs), so the pool's exit could wait for it forever.
-WORKER_CONTEXT = multiprocessing.get_context("spawn")
 
 
 def _init_worker(spec: str) -> None:
@@ -382,7 +381,7 @@ def _encode_in_order(
         return
     pieces = iter(pieces)
     batch_size = 64 * num_workers
-    with WORKER_CONTEXT.Pool(num_workers, initializer=_init_worker, initargs=(tok.name,)) as pool:
+    with _tokenizer_pool(num_workers, tok.name) as pool:
         in_flight: deque = deque()
         while batch := list(islice(pieces, batch_size)):
             in_flight.append((batch, pool.map_async(_encode_in_worker, batch, chunksize=8)))
@@ -391,6 +390,20 @@ def _encode_in_order(
                 yield from zip(done, result.get(), strict=True)
         for done, result in in_flight:
             yield from zip(done, result.get(), strict=True)
+
+
+def _tokenizer_pool(num_workers: int, spec: str) -> multiprocessing.pool.Pool:
+    """The workers, forked with SIGTERM's default action. A forked worker otherwise keeps the parent's
+    Python handler (Lightning's, set by any Trainer run in this process, only logs), and one stuck from the
+    fork (a lock another thread of the parent held: W&B's, a progress bar's) then outlives the SIGTERM of
+    the pool's exit, which waits for it forever."""
+    if threading.current_thread() is not threading.main_thread():  # only the main thread sets handlers
+        return multiprocessing.Pool(num_workers, initializer=_init_worker, initargs=(spec,))
+    parents = signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:  # the workers are forked here, all at once
+        return multiprocessing.Pool(num_workers, initializer=_init_worker, initargs=(spec,))
+    finally:
+        signal.signal(signal.SIGTERM, parents)
 
 
 def _holds_dataset(folder: Path) -> bool:
