@@ -54,6 +54,9 @@ class FillDisk(L.Callback):
         if trainer.global_step != self.at_step or self.done:
             return
         self.done = True
+        flush = getattr(trainer.strategy.checkpoint_io, "flush", None)
+        if flush is not None:  # a checkpoint still written in the background would take the space left
+            flush()
         if self.how == "full":
             fill(self.folder, self.leave)
         else:
