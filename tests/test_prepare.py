@@ -238,13 +238,13 @@ def test_tokenizer_workers_are_forked_with_sigterms_default_action(tmp_path: Pat
     """Lightning's SIGTERM handler (set by any in-process Trainer run) only logs: a worker that inherited it
     and was stuck from the fork outlived the SIGTERM of the pool's exit, which then waited forever (CI hung
     so). Each worker starts with the default action; the parent gets its own handler back."""
-    from lightning_train.data import shards
+    from lightning_train.data import encoding
 
     records = [tmp_path / "worker0", tmp_path / "worker1"]
     handler = lambda signum, frame: None  # noqa: E731  (as Lightning's: it only logs)
     before = signal.signal(signal.SIGTERM, handler)
     try:
-        with shards._tokenizer_pool(2, "byte") as pool:
+        with encoding.tokenizer_pool(2, "byte") as pool:
             pool.map(_record_sigterm_action, [str(p) for p in records])
         assert signal.getsignal(signal.SIGTERM) is handler
     finally:

@@ -18,17 +18,11 @@ are a validation set of their own (all of ``inputs`` then goes to train).
 from __future__ import annotations
 
 import json
-import multiprocessing
-import multiprocessing.pool
 import os
-import signal
-import threading
 import time
-from collections import deque
 from collections.abc import Iterable, Iterator
 from contextlib import suppress
 from dataclasses import dataclass
-from itertools import islice
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -37,6 +31,7 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeR
 
 import lightning_train.data.object_storage as object_storage
 from lightning_train.data.bpe import TOKENIZER_FILE, check_tokenizer_choice, train_bpe
+from lightning_train.data.encoding import encode_in_order
 from lightning_train.data.meta import FORMAT_VERSION, is_dataset_meta, tokenizer_spec
 from lightning_train.data.readers import FORMATS_HINT
 from lightning_train.data.sources import Piece, collect_files, iter_pieces, stdlib_sources
@@ -264,7 +259,7 @@ def _write_shards(
             task = progress.add_task("", total=total_bytes, tokens=0)
             for stream_files, split_of in streams:
                 pieces = iter_pieces(stream_files, text_field)
-                for piece, tokens in _encode_in_order(pieces, tok, num_workers):
+                for piece, tokens in encode_in_order(pieces, tok, num_workers):
                     writers[split_of(piece, tokens)].write_piece(tokens, piece)
                     written = sum(writer.num_tokens for writer in writers.values())  # with the eos marks
                     progress.update(task, advance=piece.nbytes, tokens=written)
@@ -348,62 +343,6 @@ class _ShardWriter:
             with suppress(OSError):
                 self._file.close()
             self._file = None
-
-
-_worker_tokenizer: Tokenizer | None = None  # one per pool worker, built by _init_worker
-
-
-def _init_worker(spec: str) -> None:
-    global _worker_tokenizer
-    _worker_tokenizer = load_tokenizer(spec)
-
-
-def _encode_in_worker(piece: Piece) -> np.ndarray:
-    assert _worker_tokenizer is not None
-    return _encode(_worker_tokenizer, piece)
-
-
-def _encode(tok: Tokenizer, piece: Piece) -> np.ndarray:
-    ids = tok.encode(piece.text)
-    if piece.ends_doc:
-        ids.append(tok.eos_id)
-    return np.array(ids, dtype=np.uint32)
-
-
-def _encode_in_order(
-    pieces: Iterable[Piece], tok: Tokenizer, num_workers: int
-) -> Iterator[tuple[Piece, np.ndarray]]:
-    """(piece, tokens) in input order. With a pool, at most two batches are in flight, so memory stays bounded
-    however big the corpus (``Pool.imap`` would read the whole input ahead)."""
-    if num_workers <= 1:
-        for piece in pieces:
-            yield piece, _encode(tok, piece)
-        return
-    pieces = iter(pieces)
-    batch_size = 64 * num_workers
-    with _tokenizer_pool(num_workers, tok.name) as pool:
-        in_flight: deque = deque()
-        while batch := list(islice(pieces, batch_size)):
-            in_flight.append((batch, pool.map_async(_encode_in_worker, batch, chunksize=8)))
-            if len(in_flight) == 2:
-                done, result = in_flight.popleft()
-                yield from zip(done, result.get(), strict=True)
-        for done, result in in_flight:
-            yield from zip(done, result.get(), strict=True)
-
-
-def _tokenizer_pool(num_workers: int, spec: str) -> multiprocessing.pool.Pool:
-    """The workers, forked with SIGTERM's default action. A forked worker otherwise keeps the parent's
-    Python handler (Lightning's, set by any Trainer run in this process, only logs), and one stuck from the
-    fork (a lock another thread of the parent held: W&B's, a progress bar's) then outlives the SIGTERM of
-    the pool's exit, which waits for it forever."""
-    if threading.current_thread() is not threading.main_thread():  # only the main thread sets handlers
-        return multiprocessing.Pool(num_workers, initializer=_init_worker, initargs=(spec,))
-    parents = signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    try:  # the workers are forked here, all at once
-        return multiprocessing.Pool(num_workers, initializer=_init_worker, initargs=(spec,))
-    finally:
-        signal.signal(signal.SIGTERM, parents)
 
 
 def _holds_dataset(folder: Path) -> bool:
