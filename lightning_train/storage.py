@@ -143,36 +143,33 @@ def check_access(url: str) -> None:
 
 
 # ---- the operations of the checkpoint protocol ----------------------------------------------------------
-def exists(url: str) -> bool:
+def _ask(url: str, method: str) -> Any:
+    """``fs.<method>(path)`` on ``url``'s filesystem, its errors translated."""
     fs, path = filesystem(url)
     with translated(url):
-        return fs.exists(path)
+        return getattr(fs, method)(path)
+
+
+def exists(url: str) -> bool:
+    return _ask(url, "exists")
 
 
 def is_file(url: str) -> bool:
-    fs, path = filesystem(url)
-    with translated(url):
-        return fs.isfile(path)
+    return _ask(url, "isfile")
 
 
 def is_dir(url: str) -> bool:
     """Whether ``url`` is a prefix holding objects (object stores have no empty folders)."""
-    fs, path = filesystem(url)
-    with translated(url):
-        return fs.isdir(path)
+    return _ask(url, "isdir")
 
 
 def size(url: str) -> int:
-    fs, path = filesystem(url)
-    with translated(url):
-        return int(fs.info(path)["size"])
+    return int(_ask(url, "info")["size"])
 
 
 def version(url: str) -> tuple[int, str]:
     """The object's size, and a tag that changes whenever it is replaced (ETag, modification time)."""
-    fs, path = filesystem(url)
-    with translated(url):
-        info = fs.info(path)
+    info = _ask(url, "info")
     return int(info["size"]), f"{info.get('ETag')}:{info.get('LastModified')}"
 
 
@@ -197,9 +194,7 @@ def list_files(url: str) -> list[str]:
 
 
 def read_bytes(url: str) -> bytes:
-    fs, path = filesystem(url)
-    with translated(url):
-        return fs.cat_file(path)
+    return _ask(url, "cat_file")
 
 
 def write_stream(url: str, write: Callable[[IO[bytes]], None]) -> str:

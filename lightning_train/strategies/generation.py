@@ -23,6 +23,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -79,22 +80,14 @@ class ShardedGenerator:
         self._heard: dict[int, torch.dtype] = {}
 
     @torch.no_grad()
-    def generate(
-        self,
-        idx: Tensor,
-        max_new_tokens: int,
-        temperature: float = 1.0,
-        top_k: int | None = None,
-        eos_id: int | None = None,
-        use_cache: bool = True,
-        tokenizer_vocab_size: int | None = None,
-    ) -> Tensor:
-        """``GPT.generate`` on the sharded model; call it on every rank with the same ``idx``."""
+    def generate(self, idx: Tensor, max_new_tokens: int, use_cache: bool = True, **sampling: Any) -> Tensor:
+        """``GPT.generate`` on the sharded model; call it on every rank with the same ``idx``. ``sampling``:
+        ``GPT.generate``'s ``temperature``, ``top_k``, ``eos_id`` and ``tokenizer_vocab_size``."""
         self._told, self._heard = set(), {}
         cache = KVCache(self.config.n_layer) if use_cache else None
         return decode(
-            self._last_logits, idx, max_new_tokens, self.config.block_size, cache, temperature, top_k, eos_id,
-            tokenizer_vocab_size, share=self._share,
+            self._last_logits, idx, max_new_tokens, self.config.block_size, cache,
+            share=self._share, **sampling,
         )
 
     def _last_logits(self, idx: Tensor, cache: KVCache | None) -> Tensor | None:
