@@ -1,23 +1,18 @@
 """The open model families: a tiny random model of each, built and saved here, loads with transformers'
 logits, generates its greedy tokens (with and without our KV cache), exports as the same architecture in
-the dtype it came in, and fine-tunes. Each case is a row of docs/models.md."""
+the dtype it came in (fine-tuning each: test_families_finetune.py). Each case is a row of docs/models.md."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-import lightning as L
 import pytest
 import torch
 from safetensors.torch import load_file
-from torch.utils.data import DataLoader
 
 from lightning_train.checkpoint import export, open_pretrained
 from lightning_train.errors import UserInputError
-from lightning_train.models.lora import LoRAConfig, lora_layers
-from lightning_train.modules.finetune import FinetuneModule
-from tests.test_finetune import RandomTokens
 
 transformers = pytest.importorskip("transformers")
 
@@ -121,24 +116,6 @@ def test_export_is_the_same_architecture_and_dtype(tmp_path, name, dtype):
         assert relative_difference(exported(tokens()).logits, theirs(tokens()).logits) <= 1e-5
 
 
-@pytest.mark.parametrize("lora", [None, LoRAConfig(rank=4, alpha=8)], ids=["full", "lora"])
-def test_finetune_from_a_qwen2_folder(tmp_path, lora):
-    hf_folder("qwen2-window", tmp_path / "qwen2")
-    module = FinetuneModule(str(tmp_path / "qwen2"), lora=lora, warmup_steps=1)
-    trainer = L.Trainer(max_steps=3, accelerator="cpu", logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path)
-    trainer.fit(module, DataLoader(RandomTokens(), batch_size=4))
-    start = open_pretrained(tmp_path / "qwen2").build().state_dict()
-    changed = {name for name, value in module.model.state_dict().items()
-               if name in start and not torch.equal(value, start[name])}
-    if lora is None:
-        assert "blocks.0.attn.qkv.bias" in changed and "embed.weight" in changed
-    else:
-        assert not changed and lora_layers(module.model)  # only the adapters train
-        assert all(layer.lora_B["default"].weight.abs().sum() > 0 for _, layer in lora_layers(module.model))
-    assert torch.isfinite(trainer.callback_metrics["train/loss"])
-
-
 @pytest.mark.parametrize(
     ("model_type", "nearest"),
     [("gemma3", "gemma3_text"), ("phimoe", "phi3"), ("stablelm", "llama"), ("phi", "gpt2")],
@@ -168,12 +145,3 @@ def test_a_refused_config_value_says_why_it_matters(tmp_path):
     transformers.Phi3ForCausalLM(config).save_pretrained(tmp_path)
     with pytest.raises(UserInputError, match=r"partial_rotary_factor=0.75 .*: only part of each head"):
         open_pretrained(tmp_path)
-
-
-@pytest.mark.parametrize("name", ["phi3", "gpt-neox"])
-def test_peft_export_refuses_fused_projections(tmp_path, name):
-    from lightning_train.models.hf_peft import adapters_to_hf
-
-    hf_folder(name, tmp_path)
-    with pytest.raises(UserInputError, match=r"--format peft does not map LoRA adapters .*--format hf"):
-        adapters_to_hf({}, open_pretrained(tmp_path).config)

@@ -35,7 +35,7 @@ from lightning_train.data.tokenizers import (
 from lightning_train.errors import UserInputError
 from lightning_train.models.gpt import GPT, GPTConfig
 from lightning_train.models.hf import hf_config
-from lightning_train.models.hf_peft import adapters_to_hf
+from lightning_train.models.hf_peft import adapters_to_hf, hf_weight_shapes
 from lightning_train.models.hf_weights import state_dict_to_hf
 from lightning_train.models.lora import LoRAConfig, adapters
 from lightning_train.output_folder import umask
@@ -87,14 +87,14 @@ def save_peft_adapter(
 
     output_dir.mkdir(parents=True, exist_ok=True)
     hf = adapters_to_hf(adapters(model), config)
-    with torch.device("meta"):
-        hf_modules = {key.rpartition(".")[0] for key in state_dict_to_hf(GPT(config).state_dict(), config)}
+    hf_modules = {key.rpartition(".")[0] for key in hf_weight_shapes(config)}
     targets = {module: _peft_target(module, hf_modules, set(hf)) for module in hf}
     ranks = {targets[module]: a.shape[0] for module, (a, _) in hf.items() if a.shape[0] != lora.rank}
     peft_config = LoraConfig(
         r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
         target_modules=sorted(set(targets.values())),
-        # q/k/v adapters joined on GPT-2's fused c_attn have their summed rank; alpha keeps the scale
+        # adapters joined on a fused module (GPT-2's c_attn, Phi-3's qkv_proj and gate_up_proj, GPT-NeoX's
+        # query_key_value) have their summed rank; alpha keeps each one's scale
         rank_pattern=ranks, alpha_pattern={t: lora.alpha * rank / lora.rank for t, rank in ranks.items()},
         fan_in_fan_out=_hf_flavour_is_gpt2(config), bias="none", task_type="CAUSAL_LM",
         base_model_name_or_path=base_model,
