@@ -41,6 +41,20 @@ def test_kv_cache_generation_matches_full_recompute(flavour):
     assert torch.equal(sampled_cached, sampled_full)
 
 
+def test_longrope_generation_with_the_cache_equals_the_one_without():
+    """The sequence passes LongRoPE's original context (20 positions) mid-generation: the cached keys,
+    rotated by its short factors, are computed again with the long ones (as transformers' Phi-3 does)."""
+    scaling = {"rope_type": "longrope", "original_max_position_embeddings": 20,
+               "short_factor": [1.0 + i / 4 for i in range(8)], "long_factor": [1.0 + i for i in range(8)]}
+    torch.manual_seed(0)  # init_std 0.3: attention far from uniform, so stale keys would change tokens
+    model = GPT(GPTConfig(vocab_size=258, block_size=48, n_layer=2, n_head=2, n_embd=32, rope_scaling=scaling,
+                          init_std=0.3)).eval()
+    prompt = torch.randint(0, 256, (3, 7), generator=torch.Generator().manual_seed(1))
+    cached = model.generate(prompt, 30, temperature=0.0)
+    assert torch.equal(cached, model.generate(prompt, 30, temperature=0.0, use_cache=False))
+    assert min(len(set(row[7:].tolist())) for row in cached) > 10  # not one token repeated
+
+
 def test_generation_stops_at_eos_and_at_block_size():
     model = random_model()
     prompt = torch.randint(0, 256, (1, 5), generator=torch.Generator().manual_seed(2))

@@ -86,6 +86,9 @@ def test_invalid_head_counts_are_rejected():
     ({"init_std": -0.02}, "init_std=-0.02 must be positive and finite"),
     ({"mlp": "relu"}, "mlp='relu' is not one of swiglu, gelu"),
     ({"n_embd": 24, "n_head": 8}, "heads of 3 dimensions; position='rope' needs an even number"),
+    ({"rope_scaling": {"rope_type": "longrope", "original_max_position_embeddings": 8, "short_factor": [1.0],
+                       "long_factor": [1.0]}},
+     "short_factor has 1 values; LongRoPE needs one per rotated pair of dimensions: 32"),
 ])
 def test_a_config_no_model_can_have_is_refused(setting, says):
     """One line naming the value (the CLI prints it as its error line), not a traceback or a model of

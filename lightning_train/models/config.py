@@ -52,7 +52,7 @@ class GPTConfig:
     # RMSNorm of q and k before rope: of each head (Qwen3), or of the whole projection (OLMo-2)
     qk_norm: Literal["none", "head", "projection"] = "none"
     block_norms: Literal["pre", "post", "both"] = "pre"  # norms before the sublayers, after them (OLMo-2)
-    rope_scaling: dict[str, Any] | None = None  # models.rope.SCALINGS: Llama 3.1+ ("llama3"), linear, yarn
+    rope_scaling: dict[str, Any] | None = None  # models.rope.SCALINGS: llama3, linear, yarn, longrope (Phi-3)
     sliding_window: int | None = None  # a position attends to itself and the window - 1 before it
     sliding_window_layers: list[int] | None = None  # the layers with the window; None: all of them
     local_rope_theta: float | None = None  # the rope base of the sliding-window layers (Gemma 3)
@@ -122,4 +122,4 @@ def _check_ranges(config: GPTConfig) -> None:
         value = getattr(config, name)
         if get_origin(hint) is Literal and value not in get_args(hint):
             raise UserInputError(f"{name}={value!r} is not one of {', '.join(get_args(hint))}")
-    check_scaling(config.rope_scaling)
+    check_scaling(config.rope_scaling, config.rotary_dim)

@@ -16,6 +16,8 @@ shared by every layer: the rotary tables at each token's own position, and a blo
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from lightning_train.models.rope import RotaryEmbedding
@@ -33,7 +35,16 @@ class Documents:
 
     def rope_tables(self, rope: RotaryEmbedding) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin at each token's position, shaped (B, 1, T, dim) to broadcast over the heads."""
-        return rope.cos[self.positions].unsqueeze(1), rope.sin[self.positions].unsqueeze(1)
+        cos, sin = rope.at(self.positions, self.lengths)
+        return cos.unsqueeze(1), sin.unsqueeze(1)
+
+    @functools.cached_property
+    def lengths(self) -> torch.Tensor:
+        """(B, T): the length of each token's example (its last position + 1), on the device."""
+        ends = torch.zeros(self.ids.shape[0], self.ids.shape[1] + 1, dtype=self.positions.dtype,
+                           device=self.ids.device)  # ids run from 0 (a row that starts mid-example) to T
+        ends.scatter_reduce_(1, self.ids, self.positions + 1, reduce="amax")
+        return ends.gather(1, self.ids)
 
     def mask(self, window: int | None) -> torch.Tensor:
         """(B, 1, T, T) booleans: query t sees key s of the same example with s <= t (and, with a sliding

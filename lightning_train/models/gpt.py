@@ -21,7 +21,7 @@ from lightning_train.models.generate import decode
 from lightning_train.models.init import draw_seed, seeded_normal_, tensor_seed
 from lightning_train.models.kv_cache import KVCache
 from lightning_train.models.layers import MLP, Attention, make_norm
-from lightning_train.models.rope import RotaryEmbedding
+from lightning_train.models.rope import RotaryEmbedding, cache_needs_recompute
 
 VOCAB_MULTIPLE = 64  # a vocabulary taken from the data is padded to this: faster matmuls (nanoGPT, LitGPT)
 
@@ -243,6 +243,9 @@ class GPT(nn.Module):
         cache = KVCache(self.config.n_layer) if use_cache else None
 
         def last_logits(idx: torch.Tensor, cache: KVCache | None) -> torch.Tensor:
+            scaling = self.config.rope_scaling
+            if cache is not None and cache_needs_recompute(scaling, cache.length, idx.shape[1]):
+                cache.crop(0)
             # with a cache, only the tokens it does not hold yet
             return self(idx[:, cache.length :] if cache is not None else idx, cache)[:, -1]
 

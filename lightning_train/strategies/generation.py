@@ -9,6 +9,9 @@
   the cache and computed again), and a sequence shorter than that is padded at its end (causal attention:
   the padding changes no real position, and the cache is cut back after). A decode step reads every
   weight once however many of its ``tp`` positions it computes, so on a GPU this costs little.
+- LongRoPE (Phi-3): the whole cache is computed again at the switch, as in ``GPT.generate``
+  (``models.rope.cache_needs_recompute``). The end padding counts in the length that picks its tables, so
+  the tokens are one process's where ``tp`` divides ``original_max_position_embeddings`` (Phi-3's 4096).
 - pipeline parallelism: each forward runs the stages in order, passing activations stage to stage with
   ``torch.distributed`` send/recv on the pipeline group (the training schedules are made for
   microbatches, not for a cache); each stage keeps the KV cache of its own blocks. A rank may run two
@@ -35,6 +38,7 @@ from torch.distributed.tensor import DTensor
 from lightning_train.errors import UserInputError
 from lightning_train.models.generate import decode
 from lightning_train.models.gpt import KVCache
+from lightning_train.models.rope import cache_needs_recompute
 from lightning_train.strategies.parallelize import build_mesh
 from lightning_train.strategies.pipeline import (
     check_zero_bubble,
@@ -95,6 +99,8 @@ class ShardedGenerator:
         cache lacks in a window of a multiple of ``tp`` positions (module doc)."""
         total = idx.shape[1]
         cached = cache.past_length(self.layer) if cache is not None else 0
+        if cache_needs_recompute(self.config.rope_scaling, cached, total):
+            cached = 0
         start = max(total - _round_up(total - cached, self.tp), 0)
         width = _round_up(total - start, self.tp)
         if start + width > self.config.block_size:
