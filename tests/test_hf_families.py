@@ -21,6 +21,11 @@ SMALL = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_la
              bos_token_id=None, eos_token_id=None)  # generations run their full length
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
           "original_max_position_embeddings": 16, "rope_theta": 500000.0}
+# LongRoPE's switch at 12, inside the 24 tokens compared, the 26 of a generation here and the 17 of
+# test_families_parallel's: both lists are used
+LONGROPE = {"rope_type": "longrope", "rope_theta": 1e4,  # a factor per pair of a 16-wide head's dimensions
+            "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.1, 3.8],
+            "long_factor": [1.2, 1.5, 2.5, 4.0, 6.0, 9.0, 13.0, 18.0]}
 GEMMA3_ROPE = {"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}  # a base per layer type
 # family -> (transformers' config class, its arguments beyond SMALL); windows of 6 are shorter than the
@@ -38,6 +43,8 @@ FAMILIES = {
     "mistral-window": ("MistralConfig", {"sliding_window": 6}),
     "olmo2": ("Olmo2Config", {}),
     "phi3": ("Phi3Config", {"pad_token_id": None, "sliding_window": 6}),  # qkv and gate_up fused in HF
+    "phi3-longrope": ("Phi3Config", {"pad_token_id": None, "original_max_position_embeddings": 12,
+                                     "rope_parameters": LONGROPE}),
     "gpt-neox": ("GPTNeoXConfig", {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4,
                                                        "partial_rotary_factor": 0.25}}),
     "gemma": ("GemmaConfig", {"head_dim": 24, "tie_word_embeddings": True}),
@@ -85,6 +92,32 @@ def test_logits_equal_transformers(tmp_path, name):
     difference = relative_difference(got, expected)
     print(f"{name}: logits relative difference {difference:.1e}")
     assert difference <= 1e-5
+
+
+def test_longrope_switches_to_its_long_factors_where_transformers_does(tmp_path):
+    """12 tokens (the original context) rotate by the short factors, 13 by the long ones, every position;
+    the 24 of test_logits_equal_transformers see the long ones only."""
+    theirs = hf_folder("phi3-longrope", tmp_path)
+    ours = open_pretrained(tmp_path).build()
+    with torch.no_grad():
+        short, long = ours(tokens(12)), ours(tokens(13))
+        assert relative_difference(short, theirs(tokens(12)).logits) <= 1e-5
+        assert relative_difference(long, theirs(tokens(13)).logits) <= 1e-5
+    assert relative_difference(short, long[:, :12]) > 0.01
+
+
+def test_a_phi3_128k_config_of_the_first_release_loads(tmp_path):
+    """Phi-3-mini-128k's first config.json: LongRoPE named "su", the original context at top level only."""
+    hf_folder("phi3-longrope", tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    rope = config.pop("rope_parameters")
+    factors = {key: rope[key] for key in ("short_factor", "long_factor")}
+    config |= {"rope_theta": rope["rope_theta"], "rope_scaling": {"type": "su", **factors}}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    ours = open_pretrained(tmp_path).build()
+    assert ours.config.rope_scaling["rope_type"] == "longrope"
+    with torch.no_grad():
+        assert relative_difference(ours(tokens(13)), load_hf(tmp_path)(tokens(13)).logits) <= 1e-5
 
 
 @pytest.mark.parametrize("use_cache", [True, False])

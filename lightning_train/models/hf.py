@@ -36,8 +36,7 @@ NEAREST = {"gemma3": "gemma3_text", "phimoe": "phi3",
            "phi": "gpt2", "falcon": "llama", "olmo": "llama", "cohere": "llama", "starcoder2": "mistral"}
 # why a refused config value matters: the model would compute something else than the checkpoint's
 ROPE_WHY = {"dynamic": "its frequencies change with each sequence's length",
-            "partial": "only part of each head is rotated (partial_rotary_factor)",
-            "longrope": "its frequencies switch with the sequence's length (Phi-3's LongRoPE)"}
+            "partial": "only part of each head is rotated (partial_rotary_factor)"}
 
 
 def config_from_hf(hf: dict[str, Any], source: str) -> GPTConfig:
@@ -165,11 +164,17 @@ def _rope(hf: dict[str, Any], source: str) -> tuple[float, dict[str, Any] | None
     if partial != 1.0:
         _reject(source, "partial_rotary_factor", partial, ROPE_WHY["partial"])
     kind = rope.setdefault("rope_type", rope.pop("type", "default"))
+    if hf["model_type"] == "phi3" and kind in ("su", "yarn"):  # Phi3Config's names for LongRoPE
+        kind = rope["rope_type"] = "longrope"
     if kind == "default":
         return theta, None, local_theta
     if kind not in SCALINGS:
         why = ROPE_WHY.get(kind, f"supported are 'default', {', '.join(SCALINGS)}")
         _reject(source, "rope_type", kind, why)
+    if "original_max_position_embeddings" in SCALINGS[kind]:  # a top-level value wins, as in transformers
+        rope["original_max_position_embeddings"] = (
+            hf.get("original_max_position_embeddings") or rope.get("original_max_position_embeddings")
+            or hf["max_position_embeddings"])
     return theta, rope, local_theta
 
 
@@ -265,7 +270,9 @@ def hf_config(config: GPTConfig) -> dict[str, Any]:
         values |= {"use_sliding_window": config.sliding_window is not None, "layer_types": layer_types,
                    "max_window_layers": config.n_layer}  # layer_types names the windowed layers
     if family == "phi3":  # no pad id of its own: Phi3Config's default would lie outside a small vocabulary
-        values |= {"original_max_position_embeddings": config.block_size, "pad_token_id": None,
+        # Phi3Config takes this over the rope parameters' own: a LongRoPE's switch
+        original = (config.rope_scaling or {}).get("original_max_position_embeddings", config.block_size)
+        values |= {"original_max_position_embeddings": original, "pad_token_id": None,
                    "resid_pdrop": config.dropout, "embd_pdrop": config.dropout}
     if family.startswith("gemma"):
         values |= {"hidden_act": "gelu_pytorch_tanh", "hidden_activation": "gelu_pytorch_tanh",
