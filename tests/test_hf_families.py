@@ -26,6 +26,8 @@ LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_fr
 LONGROPE = {"rope_type": "longrope", "rope_theta": 1e4,  # a factor per pair of a 16-wide head's dimensions
             "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.1, 3.8],
             "long_factor": [1.2, 1.5, 2.5, 4.0, 6.0, 9.0, 13.0, 18.0]}
+PHI4_MINI_ROPE = LONGROPE | {"partial_rotary_factor": 0.75, "short_factor": LONGROPE["short_factor"][:6],
+                             "long_factor": LONGROPE["long_factor"][:6]}  # 12 of 16 dimensions rotated
 GEMMA3_ROPE = {"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}  # a base per layer type
 # family -> (transformers' config class, its arguments beyond SMALL); windows of 6 are shorter than the
@@ -45,6 +47,8 @@ FAMILIES = {
     "phi3": ("Phi3Config", {"pad_token_id": None, "sliding_window": 6}),  # qkv and gate_up fused in HF
     "phi3-longrope": ("Phi3Config", {"pad_token_id": None, "original_max_position_embeddings": 12,
                                      "rope_parameters": LONGROPE}),
+    "phi4-mini": ("Phi3Config", {"pad_token_id": None, "original_max_position_embeddings": 12,
+                                 "tie_word_embeddings": True, "rope_parameters": PHI4_MINI_ROPE}),
     "gpt-neox": ("GPTNeoXConfig", {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4,
                                                        "partial_rotary_factor": 0.25}}),
     "gemma": ("GemmaConfig", {"head_dim": 24, "tie_word_embeddings": True}),
@@ -174,7 +178,7 @@ def test_a_checkpoint_of_the_config_before_it_moved_still_loads(tmp_path, monkey
 
 
 def test_a_refused_config_value_says_why_it_matters(tmp_path):
-    config = transformers.Phi3Config(**SMALL | {"pad_token_id": None, "partial_rotary_factor": 0.75})
-    transformers.Phi3ForCausalLM(config).save_pretrained(tmp_path)
+    config = transformers.LlamaConfig(**SMALL | {"partial_rotary_factor": 0.75})
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path)
     with pytest.raises(UserInputError, match=r"partial_rotary_factor=0.75 .*: only part of each head"):
         open_pretrained(tmp_path)

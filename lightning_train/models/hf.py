@@ -104,7 +104,7 @@ def llama_config(hf: dict[str, Any], source: str) -> GPTConfig:
     2/3's local layers) and Gemma's (1 + w) norms, GeGLU, scaled embeddings and soft-capping."""
     family = hf["model_type"]
     gemma = family.startswith("gemma")
-    theta, scaling, local_theta = _rope(hf, source)
+    theta, scaling, local_theta, fraction = _rope(hf, source)
     activation = hf.get("hidden_activation") or hf.get("hidden_act", "silu")
     if activation != ("gelu_pytorch_tanh" if gemma else "silu"):
         _reject(source, "hidden_act", activation)
@@ -127,8 +127,8 @@ def llama_config(hf: dict[str, Any], source: str) -> GPTConfig:
         qk_norm={"qwen3": "head", "gemma3_text": "head", "olmo2": "projection"}.get(family, "none"),
         block_norms={"olmo2": "post", "gemma2": "both", "gemma3_text": "both"}.get(family, "pre"),
         tie_embeddings=hf.get("tie_word_embeddings", gemma), rope_theta=theta, rope_scaling=scaling,
-        local_rope_theta=local_theta, sliding_window=window, sliding_window_layers=layers,
-        embed_scale=gemma, query_scale_dim=_query_scale_dim(hf),
+        local_rope_theta=local_theta, rope_fraction=fraction, sliding_window=window,
+        sliding_window_layers=layers, embed_scale=gemma, query_scale_dim=_query_scale_dim(hf),
         attn_softcap=hf.get("attn_logit_softcapping"), logit_softcap=hf.get("final_logit_softcapping"),
         norm_eps=hf.get("rms_norm_eps", 1e-6), **_training_settings(hf, "attention_dropout"),
     )
@@ -149,9 +149,9 @@ def _query_scale_dim(hf: dict[str, Any]) -> float | None:
     return None if scalar == head_dim else scalar
 
 
-def _rope(hf: dict[str, Any], source: str) -> tuple[float, dict[str, Any] | None, float | None]:
-    """``rope_theta``, the scaling (``rope_parameters`` of transformers 5, ``rope_scaling`` of 4) and
-    the local layers' own base (Gemma 3: parameters by layer type)."""
+def _rope(hf: dict[str, Any], source: str) -> tuple[float, dict[str, Any] | None, float | None, float]:
+    """``rope_theta``, the scaling (``rope_parameters`` of transformers 5, ``rope_scaling`` of 4), the
+    local layers' own base (Gemma 3: parameters by layer type) and the share of each head rotated."""
     rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
     local_theta = None
     if "full_attention" in rope:
@@ -161,13 +161,13 @@ def _rope(hf: dict[str, Any], source: str) -> tuple[float, dict[str, Any] | None
         local_theta, rope = local.get("rope_theta"), dict(rope["full_attention"])
     theta = rope.pop("rope_theta", hf.get("rope_theta", 10000.0))
     partial = rope.pop("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
-    if partial != 1.0:
+    if partial != 1.0 and hf["model_type"] != "phi3":  # Phi-3's attention rotates the first part, as ours
         _reject(source, "partial_rotary_factor", partial, ROPE_WHY["partial"])
     kind = rope.setdefault("rope_type", rope.pop("type", "default"))
     if hf["model_type"] == "phi3" and kind in ("su", "yarn"):  # Phi3Config's names for LongRoPE
         kind = rope["rope_type"] = "longrope"
     if kind == "default":
-        return theta, None, local_theta
+        return theta, None, local_theta, partial
     if kind not in SCALINGS:
         why = ROPE_WHY.get(kind, f"supported are 'default', {', '.join(SCALINGS)}")
         _reject(source, "rope_type", kind, why)
@@ -175,7 +175,7 @@ def _rope(hf: dict[str, Any], source: str) -> tuple[float, dict[str, Any] | None
         rope["original_max_position_embeddings"] = (
             hf.get("original_max_position_embeddings") or rope.get("original_max_position_embeddings")
             or hf["max_position_embeddings"])
-    return theta, rope, local_theta
+    return theta, rope, local_theta, partial
 
 
 def _sliding_window(hf: dict[str, Any]) -> tuple[int | None, list[int] | None]:
@@ -274,6 +274,7 @@ def hf_config(config: GPTConfig) -> dict[str, Any]:
         original = (config.rope_scaling or {}).get("original_max_position_embeddings", config.block_size)
         values |= {"original_max_position_embeddings": original, "pad_token_id": None,
                    "resid_pdrop": config.dropout, "embd_pdrop": config.dropout}
+        values["rope_parameters"]["partial_rotary_factor"] = config.rope_fraction  # Phi-4-mini: 0.75
     if family.startswith("gemma"):
         values |= {"hidden_act": "gelu_pytorch_tanh", "hidden_activation": "gelu_pytorch_tanh",
                    "use_bidirectional_attention": False}
