@@ -1,12 +1,16 @@
 """``python -m lightning_train evaluate``: score a checkpoint on lm-evaluation-harness tasks with lm_eval's
-own evaluator, print lm_eval's table and, with ``--output``, write the results as JSON."""
+own evaluator, print lm_eval's table and, with ``--output``, write the results as JSON. With
+``--tensor_parallel``/``--pipeline_parallel`` under torchrun, the model runs laid out over the ranks as it
+trains; every rank scores every document, rank 0 prints and writes."""
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
+from lightning_train.cli._layout import check_layout_sizes
 from lightning_train.cli._parsers import parse_tool_args
 from lightning_train.errors import UserInputError
 from lightning_train.output_folder import check_apart, check_replaceable, publish, staged
@@ -30,11 +34,13 @@ def evaluate(
     device: str | None = None,
     seed: int = 1234,
     allow_pickle: bool = True,
+    tensor_parallel: int = 1,
+    pipeline_parallel: int = 1,
 ) -> dict[str, Any]:
     """Score a checkpoint on lm_eval tasks (lm_eval's evaluator, our model class); returns lm_eval's results.
 
     Args:
-        checkpoint: a .ckpt of this package, a sharded checkpoint folder (read whole into this process),
+        checkpoint: a .ckpt of this package, a sharded checkpoint folder (read whole by every process),
             a .safetensors file or export folder, or a Hugging Face model folder.
         tasks: lm_eval task names, e.g. --tasks hellaswag,arc_easy or --tasks '[hellaswag, arc_easy]', or
             paths of task YAML files.
@@ -49,12 +55,15 @@ def evaluate(
         max_gen_toks: the longest generation of a task that sets none (lm_eval's default, 256).
         bootstrap_iters: lm_eval's resamples for standard errors that need them (0: none; faster).
         tokenizer: "byte" or a tokenizer.json path; None: the checkpoint's.
-        device: e.g. cpu or cuda:0; default: the GPU if there is one.
+        device: e.g. cpu or cuda:0; default: the GPU if there is one (a sharded run: each rank's own).
         seed: lm_eval's seeds (few-shot sampling, sampled generation).
         allow_pickle: read pickle-format checkpoints (with torch.load(weights_only=True)).
+        tensor_parallel: split each layer over this many ranks, as ParallelStrategy does (under torchrun).
+        pipeline_parallel: split the blocks into this many stages, one a rank (under torchrun); the ranks
+            are exactly tensor_parallel x pipeline_parallel.
 
     Returns:
-        lm_eval's results (the dict simple_evaluate returns).
+        lm_eval's results (the dict simple_evaluate returns); {} on the other ranks of a sharded run.
     """
     given = [tasks] if isinstance(tasks, str) else tasks
     names = [part.strip() for task in given for part in task.split(",") if part.strip()]
@@ -70,6 +79,7 @@ def evaluate(
         raise UserInputError(f"--batch_size {batch_size} --max_gen_toks {max_gen_toks}: use ints >= 1")
     if limit is not None and limit <= 0:
         raise UserInputError(f"--limit {limit} must be > 0: a number of documents, or a fraction below 1")
+    check_layout_sizes(tensor_parallel, pipeline_parallel)
     # here, not at the top: `evaluate --help` answers without importing torch or lm_eval
     from lightning_train.evaluation.harness import require_lm_eval, run_tasks, task_manager
 
@@ -78,10 +88,11 @@ def evaluate(
     from lightning_train.evaluation.lm_eval_model import LightningTrainLM
 
     lm = LightningTrainLM.from_checkpoint(
-        checkpoint, tokenizer, batch_size, max_gen_toks, device=device, allow_pickle=allow_pickle
+        checkpoint, tokenizer, batch_size, max_gen_toks, device=device, allow_pickle=allow_pickle,
+        tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel,
     )
     results = run_tasks(lm, names, include_path, num_fewshot, limit, bootstrap_iters, seed) or {}
-    if target is not None:
+    if target is not None and _first_rank():
         _write(results, target, earlier)
     return results
 
@@ -102,9 +113,16 @@ def _write(results: dict[str, Any], target: Path, replace: bool) -> None:
         publish(tmp, target, replace=replace)
 
 
+def _first_rank() -> bool:
+    """Whether this process prints and writes: the only one, or torchrun's rank 0."""
+    return int(os.environ.get("RANK", 0)) == 0
+
+
 def main(args: list[str]) -> None:
     options = parse_tool_args(evaluate, args, "evaluate")
     results = evaluate(**options)
+    if not _first_rank():  # lm_eval returns the results on (local) rank 0
+        return
     from lm_eval.utils import make_table
 
     print(make_table(results), end="")

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import os
-from typing import Any
 
+from lightning_train.cli._layout import check_layout_sizes
 from lightning_train.cli._parsers import parse_tool_args
 from lightning_train.errors import UserInputError
 
@@ -48,10 +48,7 @@ def generate(
         raise UserInputError(f"--max_new_tokens {max_new_tokens} must be at least 1, e.g. 64")
     if temperature < 0:
         raise UserInputError(f"--temperature {temperature} must be >= 0 (0 is greedy), e.g. 0.8")
-    if min(tensor_parallel, pipeline_parallel) < 1:
-        raise UserInputError(
-            f"--tensor_parallel {tensor_parallel} --pipeline_parallel {pipeline_parallel}: use ints >= 1"
-        )
+    check_layout_sizes(tensor_parallel, pipeline_parallel)
     if top_k is not None and top_k < 1:
         raise UserInputError(f"--top_k {top_k} must be at least 1, or left out to sample from every token")
     prompts = prompt if isinstance(prompt, list) else [prompt]
@@ -77,7 +74,9 @@ def generate(
     tok = load_tokenizer(spec)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if tensor_parallel * pipeline_parallel > 1:
-        model = _sharded(pretrained.build(), tensor_parallel, pipeline_parallel)
+        from lightning_train.strategies.generation import shard_under_torchrun
+
+        model = shard_under_torchrun(pretrained.build(), tensor_parallel, pipeline_parallel, "generate")
     else:
         model = pretrained.build().to(device)
     if chat:  # the template's special tokens are tokens, not text
@@ -106,26 +105,6 @@ def _check_prompts(prompts: list[str]) -> None:
                 f"prompt {i} holds {shown}, which is not UTF-8 text; pass the prompt in UTF-8 (set the "
                 "terminal's encoding to UTF-8)"
             ) from error
-
-
-def _sharded(model: Any, tensor_parallel: int, pipeline_parallel: int) -> Any:
-    """The generator of ``model`` laid out over the ranks torchrun started (every rank read it whole)."""
-    import torch
-    import torch.distributed as dist
-
-    from lightning_train.strategies.generation import shard_for_generation
-
-    if "WORLD_SIZE" not in os.environ:
-        ranks = tensor_parallel * pipeline_parallel
-        raise UserInputError(
-            f"--tensor_parallel {tensor_parallel} --pipeline_parallel {pipeline_parallel} runs on {ranks} "
-            f"ranks; start it with torchrun --nproc_per_node={ranks} -m lightning_train generate ..."
-        )
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
-    return shard_for_generation(model.eval(), tensor_parallel, pipeline_parallel, device=device)
 
 
 def main(args: list[str]) -> None:

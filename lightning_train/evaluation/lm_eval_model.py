@@ -13,6 +13,10 @@ windows, so a checkpoint scores what its ``export`` scores there (tests/test_eva
   stop strings and at end of text.
 
 Inputs of one batch are padded on the right: the model is causal, so padding changes no real position.
+
+A model laid out by tensor and pipeline parallelism (a ``strategies.generation.ShardedGenerator``) answers
+through the same loops: its ``logits`` and ``generate`` run on every rank of the layout, so every rank runs
+every request (lm_eval sees rank 0 of 1 on each) and ends with the same answers.
 """
 
 from __future__ import annotations
@@ -20,9 +24,10 @@ from __future__ import annotations
 import contextlib
 import inspect
 import json
+import os
 from collections import defaultdict
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -43,6 +48,9 @@ from lightning_train.data.tokenizers import Tokenizer, load_tokenizer
 from lightning_train.errors import UserInputError
 from lightning_train.models.generate import generate_batched
 
+if TYPE_CHECKING:
+    from lightning_train.strategies.generation import ShardedGenerator
+
 # (the request's strings or None for a rolling window, context tokens, continuation tokens)
 TokenRequest = tuple["tuple[str, str] | None", list[int], list[int]]
 # generation options lm_eval tasks pass that decoding here follows; any other is refused by name
@@ -59,44 +67,67 @@ class LightningTrainLM(TemplateLM):
     module is imported.
 
     Under a process group of several ranks (the ``DownstreamEval`` callback under DDP), lm_eval gives each
-    rank its share of the requests and gathers the scores on rank 0; every rank must hold the whole model.
+    rank its share of the requests and gathers the scores on rank 0, where ``model`` is whole on every rank;
+    a ``ShardedGenerator`` is one model over the ranks, which all run every request together.
 
     Args:
-        model: the network, on the device to evaluate on; switched to eval mode while it answers.
+        model: the network, on the device to evaluate on; switched to eval mode while it answers. Or a
+            ``ShardedGenerator`` (``from_checkpoint`` with ``tensor_parallel``/``pipeline_parallel``).
         tokenizer: a ``Tokenizer`` or a spec for ``load_tokenizer`` ("byte", a tokenizer.json).
         batch_size: requests scored (or prompts of one length decoded) together.
         max_gen_toks: the longest generation when a task names none (lm_eval's default, 256).
     """
 
     def __init__(
-        self, model: nn.Module, tokenizer: Tokenizer | str, batch_size: int = 16, max_gen_toks: int = 256
+        self,
+        model: nn.Module | ShardedGenerator,
+        tokenizer: Tokenizer | str,
+        batch_size: int = 16,
+        max_gen_toks: int = 256,
     ) -> None:
         super().__init__()
         if not isinstance(batch_size, int) or batch_size < 1:
             raise UserInputError(f"batch_size={batch_size!r} must be an int >= 1, e.g. 16")
         self.model = model
+        # token ids (B, T) -> logits (B, T, vocab): a whole model's forward, a sharded one's `logits`
+        self._logits: Callable[[torch.Tensor], torch.Tensor]
+        if isinstance(model, nn.Module):
+            self._logits, self._parts = model, [model]
+            if dist.is_available() and dist.is_initialized():  # replicas: lm_eval splits the requests
+                self._rank, self._world_size = dist.get_rank(), dist.get_world_size()
+        else:
+            self._logits, self._parts = model.logits, list(model.stages.values())
         self.tok = load_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
         self.batch_size, self._max_gen_toks = batch_size, int(max_gen_toks)
-        self._device = next(model.parameters()).device
-        if dist.is_available() and dist.is_initialized():
-            self._rank, self._world_size = dist.get_rank(), dist.get_world_size()
+        self._device = next(self._parts[0].parameters()).device
 
     @classmethod
     def from_checkpoint(
         cls, checkpoint: str, tokenizer: str | None = None, batch_size: int = 16, max_gen_toks: int = 256,
-        device: str | None = None, allow_pickle: bool = True,
+        device: str | None = None, allow_pickle: bool = True, tensor_parallel: int = 1,
+        pipeline_parallel: int = 1,
     ) -> LightningTrainLM:
-        """The model of ``checkpoint`` (our ``.ckpt``, a sharded folder read whole into this process, an
-        export, or a Hugging Face folder: ``checkpoint.open_pretrained``) on ``device`` (default: the GPU
-        if there is one), with its own tokenizer unless ``tokenizer`` names one."""
+        """The model of ``checkpoint`` (our ``.ckpt``, a sharded folder read whole, an export, or a Hugging
+        Face folder: ``checkpoint.open_pretrained``) on ``device`` (default: the GPU if there is one), with
+        its own tokenizer unless ``tokenizer`` names one. With ``tensor_parallel`` or ``pipeline_parallel``
+        above 1, run under torchrun on exactly their product of ranks, it is laid out over them as it
+        trains (``strategies.generation.shard_under_torchrun``), each rank on its own GPU or the CPU."""
         from lightning_train.checkpoint.pretrained import open_pretrained
 
+        ranks = tensor_parallel * pipeline_parallel
+        if ranks > 1:
+            _check_sharded_launch(tensor_parallel, pipeline_parallel, device)
         pretrained = open_pretrained(checkpoint, allow_pickle=allow_pickle)
         spec = tokenizer or pretrained.tokenizer
         if spec is None:
             raise UserInputError(
                 f"{checkpoint!r} names no tokenizer; pass tokenizer=byte or a tokenizer.json"
             )
+        if ranks > 1:
+            from lightning_train.strategies.generation import shard_under_torchrun
+
+            sharded = shard_under_torchrun(pretrained.build(), tensor_parallel, pipeline_parallel, "evaluate")
+            return cls(sharded, spec, batch_size, max_gen_toks)
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         return cls(pretrained.build().to(device), spec, batch_size, max_gen_toks)
 
@@ -159,7 +190,7 @@ class LightningTrainLM(TemplateLM):
                 width = max(len(tokens) for tokens in inputs)
                 padded = [tokens + [0] * (width - len(tokens)) for tokens in inputs]
                 batch = torch.tensor(padded, device=self.device)
-                log_probs = F.log_softmax(self.model(batch).float(), dim=-1)
+                log_probs = F.log_softmax(self._logits(batch).float(), dim=-1)
                 for (strings, _, continuation), tokens, row in zip(chunk, inputs, log_probs, strict=True):
                     scored = row[len(tokens) - len(continuation): len(tokens)]
                     target = torch.tensor(continuation, device=self.device)
@@ -237,14 +268,16 @@ class LightningTrainLM(TemplateLM):
 
     @contextlib.contextmanager
     def _inference(self) -> Iterator[None]:
-        """Eval mode and no autograd while answering; the model's mode as it was afterwards."""
-        training = self.model.training
-        self.model.eval()
+        """Eval mode and no autograd while answering; the modules' modes as they were afterwards."""
+        training = [module.training for module in self._parts]
+        for module in self._parts:
+            module.eval()
         try:
             with torch.no_grad():
                 yield
         finally:
-            self.model.train(training)
+            for module, mode in zip(self._parts, training, strict=True):
+                module.train(mode)
 
     # ---- data parallel: lm_eval splits requests by rank and gathers the scores on rank 0 ----------------
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -264,3 +297,23 @@ class LightningTrainLM(TemplateLM):
     def barrier(self) -> None:
         if self.world_size > 1:
             dist.barrier()
+
+
+def _check_sharded_launch(tensor_parallel: int, pipeline_parallel: int, device: str | None) -> None:
+    """Refuse, before the weights are read, a sharded evaluation on more ranks than its layout (lm_eval
+    would not split the documents over the replicas: each would score them all) or on a ``device`` of one
+    process (each rank takes its own)."""
+    ranks = tensor_parallel * pipeline_parallel
+    world = os.environ.get("WORLD_SIZE")
+    if world is not None and int(world) != ranks:
+        raise UserInputError(
+            f"--tensor_parallel {tensor_parallel} --pipeline_parallel {pipeline_parallel} evaluates on "
+            f"exactly {ranks} ranks, and torchrun started {world}; use --nproc_per_node={ranks} (documents "
+            "are not split over replicas)"
+        )
+    if device is not None:
+        raise UserInputError(
+            f"--device {device} is one process's device; the ranks of --tensor_parallel {tensor_parallel} "
+            f"--pipeline_parallel {pipeline_parallel} take their own (LOCAL_RANK's GPU, else the CPU): leave "
+            "--device out"
+        )

@@ -20,11 +20,15 @@
   stage's first tensor-parallel rank of the first pipeline) and broadcast to every rank. Sampling draws
   from that rank's default generator, so with the seed one process had it draws that process's tokens.
 
-``shard_for_generation`` lays out a whole ``GPT`` for generation without Lightning (tests, scripts).
+``ShardedGenerator.logits`` is a forward of every position (lm_eval's log-likelihoods), its logits on
+every rank. ``shard_for_generation`` lays out a whole ``GPT`` for generation without Lightning (tests,
+scripts); ``shard_under_torchrun`` does so over the ranks torchrun started (the ``generate`` and
+``evaluate`` tools).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -94,6 +98,36 @@ class ShardedGenerator:
             share=self._share, **sampling,
         )
 
+    @torch.no_grad()
+    def logits(self, idx: Tensor) -> Tensor:
+        """The float32 logits (B, T, vocab) of every position of ``idx`` (B, T), on every rank: a ``GPT``
+        forward's on the sharded model; call it on every rank with the same ``idx``."""
+        self._told, self._heard = set(), {}
+        total = idx.shape[1]
+        hidden = self._run_stages(self._window(idx, 0), None)
+        if hidden is None:  # not the last stage: filled by the broadcast below
+            logits = torch.empty(idx.shape[0], total, self.config.vocab_size, device=idx.device)
+        else:  # gathered by vocabulary on every tp rank of the last stage
+            logits = (hidden.full_tensor() if isinstance(hidden, DTensor) else hidden)[:, :total].float()
+        if len(set(self.owners)) > 1:
+            # every rank called with the same idx (replicas too), so one broadcast from the rank that picks
+            # tokens is enough; float32 fixes the dtype the receivers allocate
+            dist.broadcast(logits, src=self.source)
+        return logits
+
+    def _window(self, idx: Tensor, start: int) -> Tensor:
+        """``idx[:, start:]`` padded at its end to a multiple of ``tp`` positions (causal attention: the
+        padding changes no real position); a window past ``block_size`` is refused."""
+        total = idx.shape[1]
+        width = _round_up(total - start, self.tp)
+        if start + width > self.config.block_size:
+            raise UserInputError(
+                f"{total} tokens padded to {width} for tensor_parallel={self.tp} exceed the model's "
+                f"block_size={self.config.block_size}; generate with use_cache=True, or use a block_size "
+                f"divisible by {self.tp}"
+            )
+        return F.pad(idx[:, start:], (0, start + width - total))
+
     def _last_logits(self, idx: Tensor, cache: KVCache | None) -> Tensor | None:
         """The last position's logits on the source rank (None elsewhere), computing the positions the
         cache lacks in a window of a multiple of ``tp`` positions (module doc)."""
@@ -102,14 +136,7 @@ class ShardedGenerator:
         if cache_needs_recompute(self.config.rope_scaling, cached, total):
             cached = 0
         start = max(total - _round_up(total - cached, self.tp), 0)
-        width = _round_up(total - start, self.tp)
-        if start + width > self.config.block_size:
-            raise UserInputError(
-                f"{total} tokens padded to {width} for tensor_parallel={self.tp} exceed the model's "
-                f"block_size={self.config.block_size}; generate with use_cache=True, or use a block_size "
-                f"divisible by {self.tp}"
-            )
-        tokens = F.pad(idx[:, start:], (0, start + width - total))  # padding after the last: never seen
+        tokens = self._window(idx, start)
         if cache is not None:
             cache.crop(start)
         hidden = self._run_stages(tokens, cache)
@@ -195,3 +222,21 @@ def shard_for_generation(
             apply_tensor_parallel(stage, mesh["tp"])
         stage.to(device)
     return ShardedGenerator(stages, mesh, schedule, virtual_stages)
+
+
+def shard_under_torchrun(
+    model: nn.Module, tensor_parallel: int, pipeline_parallel: int, tool: str
+) -> ShardedGenerator:
+    """``model`` (read whole on every rank) laid out over the ranks torchrun started, each on its
+    ``LOCAL_RANK``'s GPU (NCCL) or the CPU (gloo); outside torchrun, one error naming ``tool``'s launch."""
+    if "WORLD_SIZE" not in os.environ:
+        ranks = tensor_parallel * pipeline_parallel
+        raise UserInputError(
+            f"--tensor_parallel {tensor_parallel} --pipeline_parallel {pipeline_parallel} runs on {ranks} "
+            f"ranks; start it with torchrun --nproc_per_node={ranks} -m lightning_train {tool} ..."
+        )
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+    return shard_for_generation(model.eval(), tensor_parallel, pipeline_parallel, device=device)
