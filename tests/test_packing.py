@@ -165,6 +165,19 @@ class EmbeddingOnly(PretrainModule):
         return torch.nn.Embedding(self.config.vocab_size, self.config.vocab_size)
 
 
+def test_rows_are_packed_best_fit():
+    """Each example goes into the row with the least room that holds it: next-fit would leave 3 rows here."""
+    from lightning_train.data.packing import pack
+
+    assert pack([5, 5, 3, 3], seq_len=8) == [[0, 2], [1, 3]]
+    assert pack([6, 3, 2, 1, 4], seq_len=8) == [[0, 2], [1, 3, 4]]  # 2 into the row of room 2, not 5
+    lengths = torch.randint(1, 30, (500,), generator=torch.Generator().manual_seed(0)).tolist()
+    rows = pack(lengths, seq_len=32)
+    assert sorted(i for row in rows for i in row) == list(range(500))  # each example once, in order in a row
+    assert all(sum(lengths[i] for i in row) <= 32 and row == sorted(row) for row in rows)
+    assert sum(lengths) / (32 * len(rows)) > 0.93  # next-fit: 0.75
+
+
 def test_packed_batches_need_our_gpt():
     module = EmbeddingOnly(GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_embd=32))
     module.configure_model()
