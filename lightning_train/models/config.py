@@ -63,6 +63,8 @@ class GPTConfig:
     rope_fraction: float = 1.0  # the share of each head's dimensions that rope rotates (GPT-NeoX: 0.25)
     parallel_residual: bool = False  # x + attn(norm(x)) + mlp(norm(x)), one sum (GPT-NeoX)
     family: str | None = None  # the Hugging Face model_type it was read from: export writes the same
+    # packed rows' attention (models/flex.py): auto is FlexAttention on CUDA, SDPA with a mask elsewhere
+    packed_attention: Literal["auto", "sdpa", "flex"] = "auto"
 
     def __post_init__(self) -> None:
         _check_ranges(self)
@@ -79,6 +81,11 @@ class GPTConfig:
             raise UserInputError(
                 f"{set_by} gives heads of {self.head_dim} dimensions{rotated}; position='rope' needs an even "
                 "number: change n_embd, n_head, head_size or rope_fraction"
+            )
+        if self.packed_attention == "flex" and self.dropout:
+            raise UserInputError(
+                f"packed_attention='flex' with dropout={self.dropout}: FlexAttention has no attention "
+                "dropout; use packed_attention='auto' (SDPA where there is dropout) or dropout=0"
             )
         if self.intermediate_size is None:
             if self.mlp in ("gelu", "gelu_exact"):

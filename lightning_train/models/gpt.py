@@ -5,7 +5,7 @@ biases, optional grouped-query attention): it is what current open models use, i
 without tuning, and Llama-family checkpoints map onto it weight for weight. The same config can
 describe a GPT-2 block (LayerNorm with bias, learned positions, GELU MLP) so GPT-2 checkpoints map
 onto it too. Attention runs through ``scaled_dot_product_attention`` (flash/memory-efficient kernels
-where the device has them).
+where the device has them); packed rows through FlexAttention on CUDA (``models/flex.py``).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from torch import nn
 
 from lightning_train.models.config import GPTConfig
 from lightning_train.models.documents import Documents
+from lightning_train.models.flex import uses_flex
 from lightning_train.models.generate import decode
 from lightning_train.models.init import draw_seed, seeded_normal_, tensor_seed
 from lightning_train.models.kv_cache import KVCache
@@ -165,7 +166,9 @@ class GPT(nn.Module):
                 f"position_ids of shape {tuple(position_ids.shape)} must match the tokens' "
                 f"{tuple(idx.shape[:2])}, without a KV cache (packed rows are for training)"
             )
-        documents = Documents(position_ids) if position_ids is not None else None
+        documents = None
+        if position_ids is not None:
+            documents = Documents(position_ids, flex=uses_flex(self.config, position_ids.device))
         x = self.embed_tokens(idx, cache, position_ids) if idx.dim() == 2 else idx
         for block in self.blocks:
             local = self.local_rope is not None and block.attn.window is not None

@@ -291,7 +291,8 @@ def hf_config(config: GPTConfig) -> dict[str, Any]:
 def _same_config(config: GPTConfig, values: dict[str, Any]) -> dict[str, Any]:
     """``values``, once they are seen to read back as ``config``: else one error naming what is lost."""
     back = dataclasses.asdict(config_from_hf(values, "export"))
-    lost = [f"{k}={v!r}" for k, v in dataclasses.asdict(config).items() if k != "family" and back[k] != v]
+    kept = {"family", "packed_attention"}  # what export writes, and a kernel choice: no weights' meaning
+    lost = [f"{k}={v!r}" for k, v in dataclasses.asdict(config).items() if k not in kept and back[k] != v]
     if lost:
         raise UserInputError(
             f"cannot export to Hugging Face as {values['architectures'][0]}: {', '.join(lost)} has no place "

@@ -9,6 +9,7 @@ from torch import nn
 
 from lightning_train.models.config import GPTConfig
 from lightning_train.models.documents import Documents
+from lightning_train.models.flex import flex_packed_attention
 from lightning_train.models.kv_cache import KVCache
 from lightning_train.models.rope import RotaryEmbedding, apply_rotary
 
@@ -72,22 +73,34 @@ class Attention(nn.Module):
             q, k = apply_rotary(q, *tables), apply_rotary(k, *tables)
         if cache is not None:
             k, v = cache.update(self.layer, k, v)
+        scale = (self.config.query_scale_dim or self.head_dim) ** -0.5
+        softcap = self.config.attn_softcap
+        if documents is not None and documents.flex:  # packed rows, the other examples' tiles skipped
+            y = flex_packed_attention(q, k, v, documents.block_mask(self.window), scale, softcap)
+        else:
+            y = self._masked_attention(q, k, v, past, documents, scale)
+        return self.proj(y.transpose(1, 2).reshape(B, T, -1))  # -1: the local heads under TP
+
+    def _masked_attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int, documents: Documents | None,
+        scale: float,
+    ) -> torch.Tensor:
+        """SDPA with a boolean mask (or ``is_causal``), or the written-out soft-capped scores."""
+        T = q.shape[2]
         if documents is None:  # no mask built for unpacked rows: is_causal picks the fast kernels
-            mask = attention_mask(past, T, self.window, x.device)
+            mask = attention_mask(past, T, self.window, q.device)
         else:
             mask = documents.mask(self.window)
         dropout = self.config.dropout if self.training else 0.0
-        scale = (self.config.query_scale_dim or self.head_dim) ** -0.5
         if self.config.attn_softcap is None:
-            y = F.scaled_dot_product_attention(
+            return F.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, is_causal=T > 1 and mask is None, dropout_p=dropout,
                 scale=scale, enable_gqa=self.n_kv_head != self.n_head,
             )
-        else:  # sdpa has no soft-capping: the scores written out (Gemma 2's eager attention)
-            if mask is None and T > 1:
-                mask = torch.ones(T, past + T, dtype=torch.bool, device=x.device).tril(past)
-            y = softcapped_attention(q, k, v, mask, scale, self.config.attn_softcap, dropout)
-        return self.proj(y.transpose(1, 2).reshape(B, T, -1))  # -1: the local heads under TP
+        # sdpa has no soft-capping: the scores written out (Gemma 2's eager attention)
+        if mask is None and T > 1:
+            mask = torch.ones(T, past + T, dtype=torch.bool, device=q.device).tril(past)
+        return softcapped_attention(q, k, v, mask, scale, self.config.attn_softcap, dropout)
 
 
 def attention_mask(past: int, T: int, window: int | None, device: torch.device) -> torch.Tensor | None:
