@@ -8,6 +8,9 @@ our mask and score modifications give; the refusal itself is checked as users me
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import lightning as L
@@ -22,13 +25,14 @@ from lightning_train import GPT, FinetuneModule, GPTConfig, SFTDataModule
 from lightning_train.errors import UserInputError
 from lightning_train.models import flex
 from lightning_train.models.hf import hf_config
+from tests.conftest import REPO, cli_env
 from tests.test_packing import write_examples
 
 VARIANTS = {
     "mha": {},
-    "gqa": {"n_kv_head": 2},
+    "gqa": {"n_kv_head": 1},
     "sliding-window": {"sliding_window": 4, "sliding_window_layers": [0]},
-    "gemma2-softcap-window-gqa": {"n_kv_head": 1, "sliding_window": 4, "sliding_window_layers": [0],
+    "gemma2-softcap-window-gqa": {"n_kv_head": 2, "sliding_window": 4, "sliding_window_layers": [0],
                                   "attn_softcap": 2.0, "query_scale_dim": 12.0},
 }
 EXAMPLES_PER_ROW = [[7, 9, 5, 3], [24], [2, 10, 12]]  # lengths; each row is 24 tokens
@@ -68,7 +72,11 @@ def flex_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
 @pytest.fixture
 def cpu_flex_backward(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(torch_flex, "_validate_device", lambda query, key, value: None)
+    monkeypatch.setattr(torch_flex, "_validate_device", allow_cpu_backward)
+
+
+def allow_cpu_backward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+    """Stands in for torch's ``_validate_device``: the one refusal CPU inputs meet there is of backward."""
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -151,16 +159,69 @@ def test_the_kernel_choice_does_not_stop_a_hugging_face_export():
     assert hf_config(config)["architectures"] == ["LlamaForCausalLM"]
 
 
-@pytest.mark.slow  # inductor compiles the mask's creation and the attention as C++: ~20 s on 2 cores, cold
-def test_compiled_flex_as_cuda_runs_it_gives_the_sdpa_masks_logits(monkeypatch, flex_calls):
-    """CUDA compiles create_block_mask and flex_attention; compiled on CPU here, the mask and score
-    modifications are seen to trace whole (fullgraph) and give the same logits."""
+@pytest.mark.slow  # inductor compiles the mask's creation and the attention as C++: ~20 s each on 2 cores
+@pytest.mark.parametrize("compiled", ["kernels", "whole-model"])
+def test_compiled_flex_gives_the_sdpa_masks_logits(monkeypatch, flex_calls, compiled):
+    """CUDA compiles create_block_mask and flex_attention (kernels), or they are compiled with the model
+    (``compile=True``). Compiled on CPU here: the mask and score modifications trace whole (fullgraph)
+    and give the same logits."""
     monkeypatch.setattr(flex, "COMPILED_ON", ("cpu",))
     flex._compiled.cache_clear()
     sdpa, flexed = twin_models("gemma2-softcap-window-gqa")
     tokens, positions, _ = packed_batch()
     with torch.no_grad():
         expected = sdpa(tokens, position_ids=positions)
-        logits = flexed(tokens, position_ids=positions)
-    assert len(flex_calls) == 2 and flex._compiled.cache_info().currsize == 2  # mask and attention compiled
+        logits = (flexed if compiled == "kernels" else torch.compile(flexed))(tokens, position_ids=positions)
+    assert len(flex_calls) == 2
+    # by themselves, else in the model's graph
+    assert flex._compiled.cache_info().currsize == (2 if compiled == "kernels" else 0)
     torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
+
+
+def _tensor_parallel_worker(out_dir: str) -> None:
+    """Run by torchrun on 2 gloo ranks: a tp=2 GPT through FlexAttention (each rank its own heads, plain
+    local tensors) and a one-process GPT through SDPA's mask take a forward and backward of the same packed
+    rows; logits and whole gradients saved."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from lightning_train._compat import end_distributed_process
+    from lightning_train.strategies.tensor_parallel import apply_tensor_parallel, reduce_partial_grads
+
+    torch_flex._validate_device = allow_cpu_backward  # as cpu_flex_backward
+    torch.distributed.init_process_group("gloo")
+    sdpa, flexed = twin_models("gemma2-softcap-window-gqa")
+    apply_tensor_parallel(flexed, init_device_mesh("cpu", (2,)), loss_parallel=False)
+    tokens, positions, targets = packed_batch()
+    logits = {}
+    for name, model in (("sdpa", sdpa), ("flex", flexed)):
+        logits[name] = model(tokens, position_ids=positions)
+        F.cross_entropy(logits[name].flatten(0, 1), targets.flatten()).backward()
+    reduce_partial_grads(flexed)
+    grads = {name: (parameter.grad.full_tensor(), sdpa.get_parameter(name).grad)
+             for name, parameter in flexed.named_parameters()}
+    rank = torch.distributed.get_rank()
+    torch.save({"logits": {k: v.detach() for k, v in logits.items()}, "grads": grads,
+                "local_heads": flexed.blocks[0].attn.n_head}, Path(out_dir, f"rank{rank}.pt"))
+    torch.distributed.barrier()  # no rank tears gloo down while the other is still in a collective
+    end_distributed_process(0)
+
+
+@pytest.mark.slow  # torchrun, 2 ranks
+def test_flex_under_tensor_parallelism_gives_one_process_sdpa_logits_and_gradients(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+         "-m", "tests.test_packing_flex", str(tmp_path)],
+        cwd=REPO, env=cli_env(), capture_output=True, text=True, timeout=180,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    for rank in (0, 1):
+        report = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
+        assert report["local_heads"] == 2  # of 4
+        torch.testing.assert_close(report["logits"]["flex"], report["logits"]["sdpa"], rtol=1e-5, atol=1e-5)
+        for name, (flex_grad, sdpa_grad) in report["grads"].items():
+            torch.testing.assert_close(flex_grad, sdpa_grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+if __name__ == "__main__":  # the tensor-parallel worker, started by torchrun
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    _tensor_parallel_worker(sys.argv[1])

@@ -57,14 +57,18 @@ def flex_packed_attention(
         return torch.tanh(score / softcap) * softcap
 
     attend = _for_device(flex_attention, q.device)
+    # contiguous: compiled in one graph with the qkv projection, torch 2.13's CPU kernel misreads v as a
+    # view into that output (wrong values, seen); CUDA's is unchecked, and a copy of v is cheap
     return attend(
-        q, k, v, score_mod=capped if softcap is not None else None, block_mask=block_mask, scale=scale,
-        enable_gqa=k.shape[1] != q.shape[1],
+        q, k, v.contiguous(), score_mod=capped if softcap is not None else None, block_mask=block_mask,
+        scale=scale, enable_gqa=k.shape[1] != q.shape[1],
     )
 
 
 def _for_device(kernel: Callable, device: torch.device) -> Callable:
-    return _compiled(kernel) if device.type in COMPILED_ON else kernel
+    """``kernel`` compiled on ``COMPILED_ON``, as it is where the whole model is compiled already."""
+    compiled = device.type in COMPILED_ON and not torch.compiler.is_compiling()
+    return _compiled(kernel) if compiled else kernel
 
 
 @functools.cache
