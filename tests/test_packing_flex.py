@@ -8,6 +8,7 @@ our mask and score modifications give; the refusal itself is checked as users me
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -22,6 +23,7 @@ from lightning.pytorch.callbacks import Callback
 
 import lightning_train.models.layers as layers
 from lightning_train import GPT, FinetuneModule, GPTConfig, SFTDataModule
+from lightning_train.checkpoint import save_safetensors
 from lightning_train.errors import UserInputError
 from lightning_train.models import flex
 from lightning_train.models.hf import hf_config
@@ -142,8 +144,10 @@ def test_a_packed_fine_tune_through_flex_takes_the_sdpa_steps(tmp_path, flex_cal
 
 
 def test_auto_is_flex_on_cuda_without_dropout_only():
-    auto, with_dropout = GPTConfig(vocab_size=64), GPTConfig(vocab_size=64, dropout=0.1)
+    auto = GPTConfig(vocab_size=64, packed_attention="auto")
+    with_dropout = GPTConfig(vocab_size=64, dropout=0.1, packed_attention="auto")
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert not flex.uses_flex(GPTConfig(vocab_size=64), cuda)  # sdpa until flex has run on a GPU here
     assert flex.uses_flex(auto, cuda) and not flex.uses_flex(auto, cpu)
     assert not flex.uses_flex(with_dropout, cuda)  # flex_attention has no dropout
     assert flex.uses_flex(GPTConfig(vocab_size=64, packed_attention="flex"), cpu)
@@ -152,6 +156,14 @@ def test_auto_is_flex_on_cuda_without_dropout_only():
         GPTConfig(vocab_size=64, dropout=0.1, packed_attention="flex")
     with pytest.raises(UserInputError, match="packed_attention='varlen' is not one of auto, sdpa, flex"):
         GPTConfig(vocab_size=64, packed_attention="varlen")
+
+
+def test_a_fine_tune_sets_the_kernel_over_its_init_froms_config(tmp_path):
+    config = GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_embd=16)
+    save_safetensors(GPT(config), tmp_path / "base")
+    assert FinetuneModule(str(tmp_path / "base")).config.packed_attention == "sdpa"
+    module = FinetuneModule(str(tmp_path / "base"), packed_attention="auto")
+    assert module.config == dataclasses.replace(config, packed_attention="auto")
 
 
 def test_the_kernel_choice_does_not_stop_a_hugging_face_export():

@@ -63,8 +63,9 @@ class GPTConfig:
     rope_fraction: float = 1.0  # the share of each head's dimensions that rope rotates (GPT-NeoX: 0.25)
     parallel_residual: bool = False  # x + attn(norm(x)) + mlp(norm(x)), one sum (GPT-NeoX)
     family: str | None = None  # the Hugging Face model_type it was read from: export writes the same
-    # packed rows' attention (models/flex.py): auto is FlexAttention on CUDA, SDPA with a mask elsewhere
-    packed_attention: Literal["auto", "sdpa", "flex"] = "auto"
+    # packed rows' attention (models/flex.py): SDPA with a mask; auto: FlexAttention on CUDA (opt-in until
+    # this project has run it on a GPU), flex: FlexAttention everywhere
+    packed_attention: Literal["auto", "sdpa", "flex"] = "sdpa"
 
     def __post_init__(self) -> None:
         _check_ranges(self)

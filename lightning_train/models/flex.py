@@ -5,7 +5,8 @@ CUDA's flash kernel away and costs T² booleans a row. ``flex_attention`` takes 
 128 x 128 tile, whether it is empty, full or partial, from a ``mask_mod`` (same example, causal, within
 the sliding window); empty tiles are skipped. Soft-capping (Gemma 2) is its ``score_mod``.
 
-Which kernel runs (``GPTConfig.packed_attention``): "auto" is flex on CUDA and SDPA elsewhere. On CPU,
+Which kernel runs (``GPTConfig.packed_attention``): "sdpa" (the default) everywhere; "auto" is flex on CUDA
+and SDPA elsewhere, opt-in while no GPU run of this project has checked the CUDA kernels. On CPU,
 torch 2.13's FlexAttention is inference only (its front door refuses inputs that require grad: "does not
 support backward on CPU") and runs unfused unless compiled, so "flex" there serves checks and evaluation.
 On CUDA both the mask's creation and the attention are compiled: uncompiled, ``flex_attention`` writes out

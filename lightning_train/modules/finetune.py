@@ -23,7 +23,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
@@ -65,6 +65,8 @@ class FinetuneModule(PretrainModule):
         allow_pickle: read pickle-format checkpoints (always with ``torch.load(weights_only=True)``);
             False accepts safetensors sources only.
         eval_max_new_tokens: longest greedy generation for ``val/exact_match``.
+        packed_attention: the kernel that attends packed rows (``GPTConfig.packed_attention``), set here
+            because a kernel is no part of ``init_from``'s weights; None: the config's.
         The remaining arguments are PretrainModule's, with fine-tuning defaults: a 10x lower LR, a short
         warmup and no weight decay.
 
@@ -100,6 +102,7 @@ class FinetuneModule(PretrainModule):
         freeze_blocks: int = 0,
         allow_pickle: bool = True,
         eval_max_new_tokens: int = 64,
+        packed_attention: Literal["auto", "sdpa", "flex"] | None = None,
         learning_rate: float = 1e-4,
         min_lr: float = 1e-5,
         warmup_steps: int = 20,
@@ -124,6 +127,8 @@ class FinetuneModule(PretrainModule):
                 )
         if config is None:
             raise UserInputError("FinetuneModule needs init_from (the starting weights) or a model config")
+        if packed_attention is not None:
+            config = dataclasses.replace(config, packed_attention=packed_attention)
         if isinstance(lora, dict):  # what a command-line override like --model.lora.rank 8 may give
             lora = LoRAConfig(**lora)
         n_layer = config.n_layer
