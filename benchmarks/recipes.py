@@ -14,6 +14,7 @@ the batch size during a run, and this benchmark measures what the package can ru
 
     python benchmarks/recipes.py                       # 10 runs (+1 combined); docs/benchmarks/recipes.json
     python benchmarks/recipes.py --variants "warmup 25" # the baseline and the named variants only
+    python benchmarks/recipes.py --variants "warmup 100" --combine "warmup 100" "init_std 0.04"
     python benchmarks/recipes.py --smoke               # a tiny model, a few steps
 """
 
@@ -45,10 +46,12 @@ SMOKE_VARIANTS = ("lr 4e-3, min_lr 4e-4", "z-loss 1e-4")
 NOT_MEASURED = {"batch-size warmup": "not implemented: the batch size is fixed for a run"}
 
 
-def run(name: str, flags: list[str], target: float, max_steps: int, cadence: list[str]) -> dict[str, Any]:
+def run(
+    name: str, flags: list[str], target: float, max_steps: int, cadence: list[str], threads: int
+) -> dict[str, Any]:
     """One whole ``fit`` process with ``flags``: its validations, steps to the target and CPU seconds."""
     load_before = os.getloadavg()[0]
-    record = run_ours({"target": target}, [*cadence, *flags], max_steps, True, threads=1)
+    record = run_ours({"target": target}, [*cadence, *flags], max_steps, True, threads)
     steps = steps_to(target, record["val"])
     steps_run = record["val"][-1][0] if steps is not None else max_steps
     result = {
@@ -118,6 +121,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument(
         "--variants", nargs="+", choices=list(VARIANTS), help="run only these (and the baseline)"
     )
+    parser.add_argument(
+        "--combine",
+        nargs=2,
+        choices=list(VARIANTS),
+        metavar="VARIANT",
+        help="run these two combined, instead of the best two winners",
+    )
     args = parser.parse_args(argv)
     every = 2 if args.smoke else args.val_every
     cadence = [f"--trainer.val_check_interval={every}"]
@@ -125,13 +135,24 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         cadence += [*SMOKE_SHAPE, "--trainer.limit_val_batches=2"]
     target, max_steps = (5.5, 6) if args.smoke else (1.60, 600)
     chosen = args.variants or (SMOKE_VARIANTS if args.smoke else list(VARIANTS))
-    machine = machine_info(1)
-    results = [run(BASELINE, [], target, max_steps, cadence)]
-    results += [run(name, VARIANTS[name], target, max_steps, cadence) for name in chosen]
-    combined = best_two(results)
+    machine = machine_info(args.threads)
+    results = [run(BASELINE, [], target, max_steps, cadence, args.threads)]
+    results += [run(name, VARIANTS[name], target, max_steps, cadence, args.threads) for name in chosen]
+    combined = (
+        [{"name": n, "flags": VARIANTS[n]} for n in args.combine] if args.combine else best_two(results)
+    )
     if combined:
         name = " + ".join(r["name"] for r in combined)
-        results.append(run(name, [flag for r in combined for flag in r["flags"]], target, max_steps, cadence))
+        results.append(
+            run(
+                name,
+                [flag for r in combined for flag in r["flags"]],
+                target,
+                max_steps,
+                cadence,
+                args.threads,
+            )
+        )
     baseline = results[0]
     for result in results[1:]:
         result["wins"] = wins(result, baseline)
@@ -155,7 +176,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "max_steps": max_steps,
             "val_every": every,
             "cadence": cadence,
-            "threads": 1,
+            "threads": args.threads,
             "not_measured": NOT_MEASURED,
         },
         "machine": {**machine, "load_average_after": machine_info()["load_average_1_5_15"]},
