@@ -47,11 +47,11 @@ NOT_MEASURED = {"batch-size warmup": "not implemented: the batch size is fixed f
 
 
 def run(
-    name: str, flags: list[str], target: float, max_steps: int, cadence: list[str], threads: int
+    name: str, flags: list[str], target: float, max_steps: int, shared_flags: list[str], threads: int
 ) -> dict[str, Any]:
     """One whole ``fit`` process with ``flags``: its validations, steps to the target and CPU seconds."""
     load_before = os.getloadavg()[0]
-    record = run_ours({"target": target}, [*cadence, *flags], max_steps, True, threads)
+    record = run_ours({"target": target}, [*shared_flags, *flags], max_steps, True, threads)
     steps = steps_to(target, record["val"])
     steps_run = record["val"][-1][0] if steps is not None else max_steps
     result = {
@@ -128,16 +128,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         metavar="VARIANT",
         help="run these two combined, instead of the best two winners",
     )
+    parser.add_argument(
+        "--seed", type=int, help="seed_everything for every run (default: the config's, 1234)"
+    )
     args = parser.parse_args(argv)
     every = 2 if args.smoke else args.val_every
-    cadence = [f"--trainer.val_check_interval={every}"]
+    shared_flags = [f"--trainer.val_check_interval={every}"]
+    if args.seed is not None:  # does a win hold at another seed?
+        shared_flags.append(f"--seed_everything={args.seed}")
     if args.smoke:  # a tiny model's few steps: the target about where it starts (ln 258 = 5.55)
-        cadence += [*SMOKE_SHAPE, "--trainer.limit_val_batches=2"]
+        shared_flags += [*SMOKE_SHAPE, "--trainer.limit_val_batches=2"]
     target, max_steps = (5.5, 6) if args.smoke else (1.60, 600)
     chosen = args.variants or (SMOKE_VARIANTS if args.smoke else list(VARIANTS))
     machine = machine_info(args.threads)
-    results = [run(BASELINE, [], target, max_steps, cadence, args.threads)]
-    results += [run(name, VARIANTS[name], target, max_steps, cadence, args.threads) for name in chosen]
+    results = [run(BASELINE, [], target, max_steps, shared_flags, args.threads)]
+    results += [run(name, VARIANTS[name], target, max_steps, shared_flags, args.threads) for name in chosen]
     combined = (
         [{"name": n, "flags": VARIANTS[n]} for n in args.combine] if args.combine else best_two(results)
     )
@@ -149,7 +154,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 [flag for r in combined for flag in r["flags"]],
                 target,
                 max_steps,
-                cadence,
+                shared_flags,
                 args.threads,
             )
         )
@@ -175,7 +180,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "target": target,
             "max_steps": max_steps,
             "val_every": every,
-            "cadence": cadence,
+            "shared_flags": shared_flags,
             "threads": args.threads,
             "not_measured": NOT_MEASURED,
         },
