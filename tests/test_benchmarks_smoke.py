@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from lightning_train.models.gpt import GPT, GPTConfig
 from tests.conftest import REPO, cli_env
@@ -300,3 +301,52 @@ def test_packing_smoke(tmp_path: Path) -> None:
             check_comparison(result["real_tokens_per_s"][clock], pairs=1)
     rows_of_128 = payload["results"]["packed, rows of 128, 16 rows a batch"]
     assert rows_of_128["padding_fraction"] < padded["padding_fraction"] / 1.5
+
+
+def test_recipes_smoke(tmp_path: Path) -> None:
+    payload = run_smoke("recipes.py", tmp_path / "recipes.json")
+    assert payload["benchmark"] == "recipes" and payload["smoke"] is True
+    setup = payload["setup"]
+    assert (setup["target"], setup["max_steps"], setup["val_every"]) == (5.5, 6, 2)
+    baseline, *variants = payload["results"]
+    assert baseline["flags"] == [] and baseline["name"].startswith("baseline")
+    assert [v["name"] for v in variants[:2]] == ["lr 4e-3, min_lr 4e-4", "z-loss 1e-4"]
+    for result in payload["results"]:
+        steps = [step for step, _ in result["val"]]
+        assert steps == list(range(2, 2 * len(steps) + 1, 2)), steps  # every 2 steps
+        reached = [step for step, loss in result["val"] if loss <= setup["target"]]
+        assert result["steps_to_target"] == (reached[0] if reached else None)
+        assert steps[-1] == (reached[0] if reached else setup["max_steps"])  # TimeToQuality stopped it
+        assert result["cpu"] > 0
+        assert result["cpu_per_step"] == pytest.approx(result["cpu"] / result["steps_run"])
+    for variant in variants:  # its flags reached the fit: it trained differently from the baseline
+        assert variant["val"][0][1] != baseline["val"][0][1], variant["name"]
+
+
+def test_recipes_combines_the_best_two_winners_of_different_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    from recipes import VARIANTS, best_two
+
+    def result(name: str, steps: int | None, cpu: float) -> dict:
+        return {"name": name, "flags": VARIANTS.get(name, []), "steps_to_target": steps, "cpu_to_target": cpu}
+
+    baseline = result("baseline", 500, 100.0)
+    lr3, lr4 = result("lr 3e-3, min_lr 3e-4", 450, 90.0), result("lr 4e-3, min_lr 4e-4", 400, 80.0)
+    warmup, qk = result("warmup 25", 475, 95.0), result("QK-norm per head", 450, 101.0)  # qk: more CPU
+    # both learning rates set learning_rate: the best (4e-3) goes with the next winner of another setting
+    assert [r["name"] for r in best_two([baseline, lr3, lr4, warmup, qk])] == [lr4["name"], warmup["name"]]
+    assert best_two([baseline, lr3, lr4, qk]) == []  # one setting wins, twice: nothing to combine
+
+
+def test_z_loss_adds_the_squared_log_normaliser_in_training_only() -> None:
+    from benchmarks.z_loss import ZLossPretrainModule
+
+    module = ZLossPretrainModule(GPTConfig(vocab_size=8, n_layer=1, n_head=1, n_embd=8), z_loss=0.5)
+    logits = torch.randn(2, 3, 8) * 3
+    labels = torch.tensor([[1, 2, -100], [3, -100, 4]])
+    cross_entropy = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
+    log_normaliser = torch.logsumexp(logits, dim=-1)[labels != -100]  # the 4 predicted tokens only
+    z_loss = 0.5 * log_normaliser.square().mean()
+    torch.testing.assert_close(module.compute_loss(logits, labels), cross_entropy + z_loss)
+    module.eval()  # validation: the cross-entropy alone, comparable with the default's val/loss
+    torch.testing.assert_close(module.compute_loss(logits, labels), cross_entropy)
