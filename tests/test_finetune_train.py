@@ -68,7 +68,8 @@ def test_default_config_runs_and_logs_exact_match(tmp_path):
 def test_two_rank_sharded_checkpoint_loads_on_one_rank(tmp_path):
     from lightning_train.checkpoint import consolidate
 
-    config = {"vocab_size": 258, "block_size": 32, "n_layer": 2, "n_head": 2, "n_embd": 32}
+    # every field the config file sets too (init_std): --model.config merges into the file's config
+    config = {"vocab_size": 258, "block_size": 32, "n_layer": 2, "n_head": 2, "n_embd": 32, "init_std": 0.02}
     folder = sharded_two_rank_checkpoint(tmp_path, config, max_steps=2)
 
     module = FinetuneModule(str(folder))
