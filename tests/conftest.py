@@ -91,6 +91,17 @@ def run_cli(
     )
 
 
+def run_torchrun(
+    ranks: int, *args: str, cwd: Path, timeout: float = 300
+) -> subprocess.CompletedProcess:
+    """``torchrun --standalone --nproc_per_node=RANKS ARGS`` (``-m module ...``) in ``cwd``, with
+    ``cli_env``; the finished process (never raises on exit code)."""
+    return subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", *args],
+        cwd=cwd, env=cli_env(), capture_output=True, text=True, timeout=timeout,
+    )
+
+
 def run_main(*args: str) -> tuple[int, str, str]:
     """``python -m lightning_train ARGS`` in this process (the same code path from argv on, without
     a new interpreter's start-up): exit code, stdout, stderr."""

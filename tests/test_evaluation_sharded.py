@@ -9,7 +9,6 @@ from __future__ import annotations
 import copy
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -21,7 +20,7 @@ from lightning_train.checkpoint import save_safetensors
 from lightning_train.evaluation import LightningTrainLM, task_metrics
 from lightning_train.evaluation.harness import task_manager
 from lightning_train.models.gpt import GPT, GPTConfig
-from tests.conftest import REPO, cli_env, run_cli_in_process
+from tests.conftest import REPO, run_cli_in_process, run_torchrun
 from tests.helpers.lm_eval_tasks import TASKS, write_tasks
 
 LAYOUTS = {"tp2": (2, 1), "pp2": (1, 2)}  # (tensor_parallel, pipeline_parallel) on 2 ranks
@@ -71,11 +70,8 @@ def test_every_rank_of_each_layout_answers_as_one_process(work, tmp_path):
     """Per request: log-likelihoods within 1e-5 (relative: sums over up to 63 tokens whose tensor-parallel
     sums run in another order), the same greedy flags and the same generated text; every rank scored every
     document (lm_eval split none over the model's ranks)."""
-    done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-         "-m", "tests.test_evaluation_sharded", str(work), str(tmp_path)],
-        cwd=REPO, env=cli_env(), capture_output=True, text=True, timeout=400,
-    )
+    done = run_torchrun(2, "-m", "tests.test_evaluation_sharded", str(work), str(tmp_path), cwd=REPO,
+                        timeout=400)
     assert done.returncode == 0, done.stderr[-3000:]
     torch.manual_seed(0)
     reference = answers(LightningTrainLM.from_checkpoint(str(work / "model"), "byte", 4, device="cpu"),
@@ -113,11 +109,8 @@ def test_evaluate_tool_runs_pipeline_parallel_under_torchrun(work, tmp_path):
             "--bootstrap_iters", "0")
     single = run_cli_in_process(*args, "--output", "single", cwd=tmp_path)
     assert single.returncode == 0, single.stderr[-3000:]
-    sharded = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
-         "lightning_train", *args, "--output", "sharded", "--pipeline_parallel", "2"],
-        cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=300,
-    )
+    sharded = run_torchrun(2, "-m", "lightning_train", *args, "--output", "sharded", "--pipeline_parallel",
+                           "2", cwd=tmp_path, timeout=300)
     assert sharded.returncode == 0, sharded.stderr[-3000:]
     assert sharded.stdout.count("|tiny_choice  |") == 1 and sharded.stdout.count("wrote ") == 1
     expected, written = (json.loads((tmp_path / folder / "results.json").read_text())

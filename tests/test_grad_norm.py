@@ -8,7 +8,6 @@ import csv
 import json
 import math
 import os
-import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -23,7 +22,7 @@ from lightning_train.data import TextDataModule
 from lightning_train.errors import UserInputError
 from lightning_train.models.gpt import GPT, GPTConfig
 from lightning_train.modules import PretrainModule
-from tests.conftest import REPO, cli_env, run_cli
+from tests.conftest import REPO, run_cli, run_torchrun
 from tests.helpers.tiny_runs import TINY, FixedBatches, MemoryLogger
 
 
@@ -365,11 +364,7 @@ def _fsdp_worker(out_dir: str) -> None:
 
 @pytest.mark.slow
 def test_fsdp2_sharded_gradients_give_the_full_norm_on_every_rank(tmp_path):
-    result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-         "-m", "tests.test_grad_norm", str(tmp_path)],
-        cwd=REPO, env=cli_env(), capture_output=True, text=True, timeout=180,
-    )
+    result = run_torchrun(2, "-m", "tests.test_grad_norm", str(tmp_path), cwd=REPO, timeout=180)
     assert result.returncode == 0, result.stderr[-3000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert ranks[0]["placements"] == ["(Shard(dim=0),)"]  # the gradients really were sharded

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import copy
 import json
-import subprocess
-import sys
 
 import lightning as L
 import pytest
@@ -17,7 +15,7 @@ from lightning_train.errors import UserInputError
 from lightning_train.models.gpt import GPT, GPTConfig
 from lightning_train.modules import PretrainModule
 from lightning_train.modules.muon import GatheringMuon, MuonAdamW
-from tests.conftest import REPO, cli_env, run_cli
+from tests.conftest import REPO, run_cli, run_torchrun
 from tests.helpers.tiny_runs import TINY, WithValidation
 
 
@@ -98,11 +96,7 @@ def test_an_unknown_optimizer_is_one_clear_error():
 
 @pytest.mark.parametrize("layout", ["fsdp", "tp"])
 def test_sharded_muon_takes_the_same_steps_as_one_process(tmp_path, layout):
-    result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-         "-m", "tests.helpers.muon_parity", layout, str(tmp_path)],
-        cwd=REPO, env=cli_env(), capture_output=True, text=True, timeout=240,
-    )
+    result = run_torchrun(2, "-m", "tests.helpers.muon_parity", layout, str(tmp_path), cwd=REPO, timeout=240)
     assert result.returncode == 0, result.stderr[-3000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     sharded_on = {"fsdp": ["(Shard(dim=0),)"], "tp": ["(Shard(dim=0),)", "(Shard(dim=1),)"]}[layout]

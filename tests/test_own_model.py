@@ -5,7 +5,6 @@ through the CLI, each matching one process's losses; bad plans are one clear err
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -13,7 +12,7 @@ import pytest
 import torch
 import yaml
 
-from tests.conftest import REPO, cli_env, run_cli
+from tests.conftest import REPO, run_cli, run_torchrun
 from tests.test_strategy_multiprocess import ENV, _fit
 
 pytestmark = pytest.mark.slow
@@ -159,11 +158,7 @@ def _tied_plans_worker(out_dir: str) -> None:
 
 
 def test_tied_embeddings_stay_tied_under_a_plan(tmp_path):
-    result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-         "-m", "tests.test_own_model", str(tmp_path)],
-        cwd=REPO, env=cli_env(), capture_output=True, text=True, timeout=180,
-    )
+    result = run_torchrun(2, "-m", "tests.test_own_model", str(tmp_path), cwd=REPO, timeout=180)
     assert result.returncode == 0, result.stderr[-3000:]
     for rank in (0, 1):
         report = json.loads((tmp_path / f"rank{rank}.json").read_text())

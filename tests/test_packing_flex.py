@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -27,7 +26,7 @@ from lightning_train.checkpoint import save_safetensors
 from lightning_train.errors import UserInputError
 from lightning_train.models import flex
 from lightning_train.models.hf import hf_config
-from tests.conftest import REPO, cli_env
+from tests.conftest import REPO, run_torchrun
 from tests.test_packing import write_examples
 
 VARIANTS = {
@@ -220,11 +219,7 @@ def _tensor_parallel_worker(out_dir: str) -> None:
 
 @pytest.mark.slow  # torchrun, 2 ranks
 def test_flex_under_tensor_parallelism_gives_one_process_sdpa_logits_and_gradients(tmp_path):
-    result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-         "-m", "tests.test_packing_flex", str(tmp_path)],
-        cwd=REPO, env=cli_env(), capture_output=True, text=True, timeout=180,
-    )
+    result = run_torchrun(2, "-m", "tests.test_packing_flex", str(tmp_path), cwd=REPO, timeout=180)
     assert result.returncode == 0, result.stderr[-3000:]
     for rank in (0, 1):
         report = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)

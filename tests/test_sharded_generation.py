@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import copy
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -18,7 +17,7 @@ from lightning_train._compat import end_distributed_process
 from lightning_train.checkpoint import save_safetensors
 from lightning_train.models.generate import generate_batched
 from lightning_train.models.gpt import GPT, GPTConfig, KVCache
-from tests.conftest import REPO, cli_env, run_cli
+from tests.conftest import REPO, run_cli, run_torchrun
 
 # (tensor_parallel, pipeline_parallel, schedule, virtual_stages); on 4 ranks, 2 replicas where tp x pp = 2
 LAYOUTS = {
@@ -85,11 +84,7 @@ def _worker(out_dir: str) -> None:
 def test_sharded_generation_gives_one_processs_tokens(tmp_path):
     """On each of the 4 ranks, for each layout: greedy completions with the KV cache and without, and
     sampled ones (same seed), equal one process's token for token."""
-    result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
-         "-m", "tests.test_sharded_generation", str(tmp_path)],
-        cwd=REPO, env=cli_env(), capture_output=True, text=True, timeout=300,
-    )
+    result = run_torchrun(4, "-m", "tests.test_sharded_generation", str(tmp_path), cwd=REPO, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     for rank in range(4):
         report = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
@@ -115,11 +110,8 @@ def test_generate_command_runs_sharded_under_torchrun(tmp_path):
             "--max_new_tokens", "12", "--temperature", "0.8", "--top_k", "40", "--tokenizer", "byte"]
     single = run_cli(*args, cwd=tmp_path, timeout=120)
     assert single.returncode == 0, single.stderr[-3000:]
-    sharded = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4", "-m",
-         "lightning_train", *args, "--tensor_parallel", "2", "--pipeline_parallel", "2"],
-        cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=240,
-    )
+    sharded = run_torchrun(4, "-m", "lightning_train", *args, "--tensor_parallel", "2", "--pipeline_parallel",
+                           "2", cwd=tmp_path, timeout=240)
     assert sharded.returncode == 0, sharded.stderr[-3000:]
     assert sharded.stdout == single.stdout and single.stdout.count("import os") == 1
     alone = run_cli(*args, "--tensor_parallel", "2", cwd=tmp_path, timeout=120)

@@ -5,7 +5,6 @@ import copy
 import csv
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -17,7 +16,7 @@ from safetensors.torch import load_file
 from lightning_train._compat import end_distributed_process
 from lightning_train.checkpoint import consolidate, save_safetensors
 from lightning_train.models.gpt import GPT, GPTConfig
-from tests.conftest import REPO, cli_env, run_cli
+from tests.conftest import REPO, run_cli, run_torchrun
 from tests.test_strategy_multiprocess import ENV, _fit
 
 pytestmark = pytest.mark.slow
@@ -278,11 +277,7 @@ def _partial_grads_worker(out_dir: str) -> None:
 def test_partial_grads_are_reduced_in_one_all_reduce_as_one_process(tmp_path):
     """The 2 * n_layer + 1 = 5 sequence-parallel norms' Partial gradients: one all-reduce (not 5), and the
     result is what one all-reduce per gradient gives (exactly) and one process's gradients, Replicate."""
-    result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-         "-m", "tests.test_tensor_parallel", str(tmp_path)],
-        cwd=REPO, env=cli_env(), capture_output=True, text=True, timeout=180,
-    )
+    result = run_torchrun(2, "-m", "tests.test_tensor_parallel", str(tmp_path), cwd=REPO, timeout=180)
     assert result.returncode == 0, result.stderr[-3000:]
     blocks = [f"blocks.{i}.{kind}.weight" for i in (0, 1) for kind in ("attn_norm", "mlp_norm")]
     norms = ["norm.weight", *blocks]  # 2 * n_layer + 1

@@ -41,7 +41,8 @@ class Documents:
 
     def rope_tables(self, rope: RotaryEmbedding) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin at each token's position, shaped (B, 1, T, dim) to broadcast over the heads."""
-        cos, sin = rope.at(self.positions, self.lengths)
+        lengths = self.lengths if rope.switch is not None else None  # only LongRoPE's tables need them
+        cos, sin = rope.at(self.positions, lengths)
         return cos.unsqueeze(1), sin.unsqueeze(1)
 
     @functools.cached_property

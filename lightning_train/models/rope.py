@@ -188,12 +188,14 @@ class RotaryEmbedding(nn.Module):
         cos, sin = self.tables(start + length)
         return cos[start : start + length], sin[start : start + length]
 
-    def at(self, positions: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def at(
+        self, positions: torch.Tensor, lengths: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin) at each of ``positions`` (packed rows, (B, T)); LongRoPE's pair is picked by each
-        token's ``lengths`` (its example's), so an example is rotated as it would be alone (transformers
-        would pick one pair for the batch by its largest position)."""
+        token's ``lengths`` (its example's; None without LongRoPE), so an example is rotated as it would be
+        alone (transformers would pick one pair for the batch by its largest position)."""
         cos, sin = self.cos[positions], self.sin[positions]
-        if self.switch is None:
+        if lengths is None:
             return cos, sin
         long = (lengths > self.switch).unsqueeze(-1)
         return (torch.where(long, self.long_cos[positions], cos),
