@@ -4,13 +4,16 @@ Every rank that meets a bad input raises it, and a rank that does not (it was wa
 when its peer left) fails with the backend's own error. Ranks agree through the process group's
 key-value store: the first rank to report a failure prints it, the others exit with its code and print
 nothing. The store lives with torchrun's agent, which outlives its ranks, or with rank 0 under
-Lightning's own launch: a store that is gone means rank 0 has already ended, and a rank that then fails
-has only lost its peer (rank 0 printed its own reason), so it exits with ``LOST_PEER_EXIT_CODE`` quietly.
+Lightning's own launch and srun: a store that is gone means rank 0 has already ended, having said why, and
+a rank that then fails has only lost its peer, so it exits with ``LOST_PEER_EXIT_CODE`` quietly, even
+when it met the same bad input. Whether rank 0's store is gone is asked with a socket of our own: asked
+through the store, torch prints a C++ stack under the error line.
 """
 
 from __future__ import annotations
 
 import os
+import socket
 import sys
 from pathlib import Path
 from typing import Any
@@ -30,11 +33,13 @@ def claim_report(code: int) -> bool:
     store = _store()
     if store is None:
         return first_process_of_node()
+    if _store_host_gone():
+        return False
     try:
         store.set(_CODE_KEY, str(code))  # before the claim: a rank that sees the claim finds the code
         return store.add(_REPORTED_KEY, 1) == 1
-    except Exception:  # the store went with its host: say it rather than nothing
-        return True
+    except Exception:  # the store went with its host after all
+        return False
 
 
 def peer_failure_code() -> int | None:
@@ -44,6 +49,8 @@ def peer_failure_code() -> int | None:
     store = _store()
     if store is None:
         return None
+    if _store_host_gone():
+        return LOST_PEER_EXIT_CODE
     try:
         return int(store.get(_CODE_KEY)) if store.check([_REPORTED_KEY]) else None
     except Exception:  # the store went with its host
@@ -85,6 +92,19 @@ def _global_rank() -> int:
     import torch.distributed as dist
 
     return dist.get_rank()
+
+
+def _store_host_gone() -> bool:
+    """Whether the store's host, rank 0 under Lightning's launch or srun (torchrun's agent outlives its
+    ranks), has ended: its port, ``MASTER_ADDR:MASTER_PORT``, refuses a connection."""
+    address, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT", "")
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" or not address or not port.isdigit():
+        return False
+    try:
+        socket.create_connection((address, int(port)), timeout=5).close()
+        return False
+    except OSError:
+        return True
 
 
 def _store() -> Any | None:

@@ -6,12 +6,14 @@ line and exit code 2 wherever it is raised.
 subcommand's loop), ``batch_end`` (after it, as a health callback would) or ``loader`` (inside the
 data loader, when the loop starts iterating it: where Lightning's teardown used to raise an error
 of its own over it); ``rank=N`` raises on global rank N only, as a bad input that one rank alone
-finds (its own data shard, its own file). ``EvaluableModule``/``EvaluableData`` add the test split that
-``test`` needs.
+finds (its own data shard, its own file); ``late_rank=N`` makes rank N raise ``LATE_S`` seconds after
+the others, as a slower rank that meets the same bad input once its peer has ended.
+``EvaluableModule``/``EvaluableData`` add the test split that ``test`` needs.
 """
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import lightning as L
@@ -22,6 +24,7 @@ from lightning_train.errors import UserInputError
 
 POINTS = ("setup", "load_checkpoint", "first_batch", "batch_end", "loader")
 MESSAGE = "injected bad value at {point}; pass a good one"
+LATE_S = 3.0
 _LOADER_OF_STAGE = {"fit": "train_dataloader", "validate": "val_dataloader", "test": "test_dataloader"}
 
 
@@ -43,13 +46,15 @@ class _RaisingLoader(DataLoader):
 
 
 class RaiseUserInputError(L.Callback):
-    def __init__(self, at: str, rank: int | None = None) -> None:
+    def __init__(self, at: str, rank: int | None = None, late_rank: int | None = None) -> None:
         if at not in POINTS:
             raise ValueError(f"at={at!r}: choose one of {POINTS}")
-        self.at, self.rank = at, rank
+        self.at, self.rank, self.late_rank = at, rank, late_rank
 
     def _maybe_raise(self, point: str) -> None:
         if point == self.at and self.rank in (None, _global_rank()):
+            if self.late_rank == _global_rank():
+                time.sleep(LATE_S)
             raise UserInputError(MESSAGE.format(point=point))
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
