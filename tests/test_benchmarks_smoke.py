@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from lightning_train.models.gpt import GPT, GPTConfig
+from lightning_train.modules import PretrainModule
 from tests.conftest import REPO, cli_env
 
 
@@ -350,3 +351,20 @@ def test_z_loss_adds_the_squared_log_normaliser_in_training_only() -> None:
     torch.testing.assert_close(module.compute_loss(logits, labels), cross_entropy + z_loss)
     module.eval()  # validation: the cross-entropy alone, comparable with the default's val/loss
     torch.testing.assert_close(module.compute_loss(logits, labels), cross_entropy)
+
+
+def test_batch_warmup_trains_on_the_ramps_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    from types import SimpleNamespace
+
+    from benchmarks.batch_warmup import BatchWarmupPretrainModule
+
+    module = BatchWarmupPretrainModule(GPTConfig(vocab_size=8, n_layer=1, n_head=1, n_embd=8), ramp_steps=100)
+    assert [module.rows_at(step, 16) for step in (0, 33, 34, 67, 99, 100, 500)] == [4, 4, 8, 12, 12, 16, 16]
+    seen = []
+    monkeypatch.setattr(PretrainModule, "training_step", lambda self, batch, batch_idx: seen.append(batch))
+    monkeypatch.setattr(BatchWarmupPretrainModule, "trainer", SimpleNamespace(global_step=50))
+    batch = {"input_ids": torch.arange(32).view(16, 2), "labels": torch.arange(32).view(16, 2)}
+    module.training_step(batch, 0)
+    assert {name: value.tolist() for name, value in seen[0].items()} == {
+        name: value[:8].tolist() for name, value in batch.items()
+    }
