@@ -20,12 +20,13 @@ class DownstreamEval(Callback):
     step, beside ``train/loss`` (``eval/tiny_choice/acc``; a filter other than lm_eval's ``none`` is added
     to the metric's name: ``eval/gsm8k/exact_match_strict-match``). Needs the ``eval`` extra.
 
-    Every rank takes part: lm_eval gives each data-parallel rank its share of the documents and gathers the
-    scores on rank 0, which logs them. Each rank runs the whole model, so the layout must hold it whole on
-    every rank (one device or DDP); a model sharded by FSDP, tensor or pipeline parallelism is refused when
-    the fit starts (evaluate its checkpoints with ``python -m lightning_train evaluate``). The random number
-    generators (torch, numpy, Python) are as they were after each evaluation, so training draws the same
-    numbers with or without it.
+    Every rank takes part, in the layout it trains in. Where each rank holds the whole model (DDP), lm_eval
+    gives each rank its share of the documents and gathers the scores on rank 0, which logs them. Where the
+    model is split over the ranks (FSDP, HSDP, tensor and pipeline parallelism, composed), every rank runs
+    every request together, through the strategy's generator under tensor or pipeline parallelism
+    (``ParallelStrategy.generator``), so no rank ever gathers the whole model. The random number generators
+    (torch, numpy, Python) are as they were after each evaluation, so training draws the same numbers with
+    or without it.
 
     Args:
         tasks: lm_eval task names or task YAML paths.
@@ -93,23 +94,12 @@ class DownstreamEval(Callback):
             task_manager(self.tasks, self.include_path)
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        from torch.distributed.tensor import DTensor
-
         model = getattr(pl_module, "model", None)
         config = getattr(model, "config", None)
         if not isinstance(model, torch.nn.Module) or not hasattr(config, "block_size"):
             raise UserInputError(
                 f"DownstreamEval needs the module's network as `model` with a `config.block_size` (a GPT); "
                 f"{type(pl_module).__name__} has none"
-            )
-        sharded = getattr(trainer.strategy, "pipeline", None) is not None or any(
-            isinstance(p, DTensor) for p in model.parameters()
-        )
-        if sharded:
-            raise UserInputError(
-                "DownstreamEval runs the whole model on every rank, and this layout shards it (FSDP, tensor "
-                "or pipeline parallelism); train with DDP or one device, or score the run's checkpoints with "
-                "`python -m lightning_train evaluate --checkpoint ...`"
             )
         self._tokenizer = self.tokenizer or getattr(trainer.datamodule, "tokenizer", None)
         if self._tokenizer is None:
@@ -135,7 +125,9 @@ class DownstreamEval(Callback):
         from lightning_train.evaluation.harness import run_tasks, task_metrics
         from lightning_train.evaluation.lm_eval_model import LightningTrainLM
 
-        lm = LightningTrainLM(pl_module.model, self._tokenizer, self.batch_size, self.max_gen_toks)
+        generator = getattr(trainer.strategy, "generator", None)  # ParallelStrategy's: tp or pp layouts
+        model = (generator() if generator is not None else None) or pl_module.model
+        lm = LightningTrainLM(model, self._tokenizer, self.batch_size, self.max_gen_toks)
         python_state, numpy_state = random.getstate(), np.random.get_state()
         devices = [pl_module.device] if pl_module.device.type == "cuda" else []
         try:

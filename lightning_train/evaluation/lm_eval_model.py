@@ -16,7 +16,8 @@ Inputs of one batch are padded on the right: the model is causal, so padding cha
 
 A model laid out by tensor and pipeline parallelism (a ``strategies.generation.ShardedGenerator``) answers
 through the same loops: its ``logits`` and ``generate`` run on every rank of the layout, so every rank runs
-every request (lm_eval sees rank 0 of 1 on each) and ends with the same answers.
+every request (lm_eval sees rank 0 of 1 on each) and ends with the same answers. So does a model whose
+weights FSDP shards over the ranks (DTensor parameters): each forward gathers them on every rank together.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from lm_eval.models.utils import (
     postprocess_generated_text,
 )
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from lightning_train.data.tokenizers import Tokenizer, load_tokenizer
 from lightning_train.errors import UserInputError
@@ -68,7 +70,8 @@ class LightningTrainLM(TemplateLM):
 
     Under a process group of several ranks (the ``DownstreamEval`` callback under DDP), lm_eval gives each
     rank its share of the requests and gathers the scores on rank 0, where ``model`` is whole on every rank;
-    a ``ShardedGenerator`` is one model over the ranks, which all run every request together.
+    a ``ShardedGenerator``, or a model FSDP shards, is one model over the ranks, which all run every request
+    together.
 
     Args:
         model: the network, on the device to evaluate on; switched to eval mode while it answers. Or a
@@ -93,7 +96,8 @@ class LightningTrainLM(TemplateLM):
         self._logits: Callable[[torch.Tensor], torch.Tensor]
         if isinstance(model, nn.Module):
             self._logits, self._parts = model, [model]
-            if dist.is_available() and dist.is_initialized():  # replicas: lm_eval splits the requests
+            whole = not any(isinstance(p, DTensor) for p in model.parameters())
+            if whole and dist.is_available() and dist.is_initialized():  # replicas: lm_eval splits requests
                 self._rank, self._world_size = dist.get_rank(), dist.get_world_size()
         else:
             self._logits, self._parts = model.logits, list(model.stages.values())
