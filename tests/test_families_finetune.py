@@ -15,9 +15,10 @@ from safetensors.torch import load_file
 from torch.utils.data import DataLoader
 
 from lightning_train.checkpoint import export, open_pretrained
-from lightning_train.models.lora import LoRAConfig, lora_layers, to_adapted_names
+from lightning_train.models.lora import LoRAConfig, lora_layers
 from lightning_train.modules.finetune import FinetuneModule
 from tests.conftest import run_main
+from tests.helpers.lora_names import to_adapted_names
 from tests.test_finetune import RandomTokens
 from tests.test_hf_families import FAMILIES, hf_folder, load_hf, relative_difference, tokens
 

@@ -35,6 +35,7 @@ from lightning_train.checkpoint.model_folder import (
 from lightning_train.checkpoint.slices import (
     Slices,
     hf_slices,
+    merged_lora_slices,
     safetensors_slices,
     sharded_slices,
     state_dict_slices,
@@ -88,9 +89,9 @@ class Pretrained:
     config: GPTConfig
     tokenizer: str | None
     read_state_dict: Callable[[], StateDict]
+    slices: Callable[[], Slices]  # the same weights read in part (checkpoint/slices.py)
     lora: LoRAConfig | None = None
     read_adapted: Callable[[], nn.Module] | None = None
-    slices: Callable[[], Slices] | None = None  # the source read in part (checkpoint/slices.py); None: whole
 
     def build(self) -> GPT:
         """A ``GPT`` with these weights, in their dtype (on the CPU, in eval mode): a bf16 folder gives
@@ -150,8 +151,7 @@ def open_pretrained(
         config = config or read_gpt_config(path.parent / CONFIG_FILE)
         tokenizer = tokenizer or _byte_if_fits(config)
         return Pretrained(
-            str(path), config, tokenizer, lambda: read_safetensors(path),
-            slices=lambda: safetensors_slices(path),
+            str(path), config, tokenizer, lambda: read_safetensors(path), lambda: safetensors_slices(path),
         )
     if path.suffix not in PICKLE_SUFFIXES:
         raise UserInputError(
@@ -165,7 +165,7 @@ def open_pretrained(
             raise UserInputError(f"{str(source)!r} is a bare state dict; give its model.config to load it")
         return Pretrained(
             str(path), config, tokenizer or _byte_if_fits(config), lambda: checkpoint,
-            slices=lambda: state_dict_slices(checkpoint),
+            lambda: state_dict_slices(checkpoint),
         )
     return _from_lightning_checkpoint(path, checkpoint, config)
 
@@ -259,14 +259,12 @@ def _from_lightning_checkpoint(
         return merge_lora(read_adapted()).state_dict() if lora else network_weights()
 
     def slices() -> Slices:
-        if read_shards is not None:
-            return sharded_slices(path, MODULE_PREFIX)
-        return state_dict_slices(network_weights())  # memory-mapped
+        saved = (sharded_slices(path, MODULE_PREFIX) if read_shards is not None
+                 else state_dict_slices(network_weights()))  # memory-mapped
+        return merged_lora_slices(saved, config, lora) if lora else saved
 
-    return Pretrained(
-        source, config, tokenizer, read_state_dict, lora, read_adapted if lora else None,
-        None if lora else slices,  # adapters are merged into whole weights: not in slices
-    )
+    adapted = read_adapted if lora else None
+    return Pretrained(source, config, tokenizer, read_state_dict, slices, lora, adapted)
 
 
 def _tokenizer_of_data(checkpoint: dict[str, Any]) -> str | None:
@@ -311,7 +309,7 @@ def _from_hf_folder(path: Path, tokenizer: str | None, allow_pickle: bool) -> Pr
 
     return Pretrained(
         str(path), config, tokenizer, read_state_dict,
-        slices=lambda: hf_slices(_hf_weight_files(path), config, str(path), read_file),
+        lambda: hf_slices(_hf_weight_files(path), config, str(path), read_file),
     )
 
 

@@ -14,7 +14,10 @@ source its reader (``Pretrained.slices``):
 - our sharded folders: DCP reads the boxes (``read_boxes``), through ``sharded.py``'s safe reader;
 - our ``.ckpt``, a bare ``.pt`` and HF's ``pytorch_model.bin``: one pickle-format file that cannot be read in
   part; it is memory-mapped (``format.read_checkpoint``) and each rank copies its slices, so a node's ranks
-  share one copy of the file in the page cache; a rank's resident memory counts the pages it touched.
+  share one copy of the file in the page cache; a rank's resident memory counts the pages it touched;
+- a LoRA fine-tune's (either kind of ours): ``merged_lora_slices`` reads a box of a merged weight as the
+  same box of its base weight plus ``alpha / rank`` x its rows of ``B`` times its columns of ``A``, so
+  the adapters are folded in a box at a time, as ``models.lora.merge_lora`` folds them in whole.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from lightning_train._compat import local_box
 from lightning_train.errors import CorruptCheckpointError, UserInputError
 from lightning_train.models.config import GPTConfig
 from lightning_train.models.hf_weights import Index, Piece, Plan, hf_pieces, read_box
-from lightning_train.models.lora import plain_names
+from lightning_train.models.lora import ADAPTER, LoRAConfig, apply_lora, plain_names
 
 Shape = tuple[int, ...]
 # what a rank asks for: (our tensor's name, the box's offsets in it, the tensor to fill, of the box's size)
@@ -125,6 +128,56 @@ def state_dict_slices(weights: Mapping[str, torch.Tensor]) -> Slices:
     shapes = {key: tuple(tensor.shape) for key, tensor in weights.items()}
     plan = {key: [Piece(key, 0, shape[0])] for key, shape in shapes.items()}
     return plan_reader(plan, shapes, _mapped_read(weights))
+
+
+def merged_lora_slices(adapted: Slices, config: GPTConfig, lora: LoRAConfig) -> Slices:
+    """The merged weights of a LoRA fine-tune in a plain ``GPT``'s names, from ``adapted``, its saved
+    tensors in the LoRA model's names (``<layer>.base_layer.weight``, ``<layer>.lora_A.default.weight``,
+    q, k and v split from the fused qkv): each box is its base weight's box plus
+    ``(B[rows] @ A[:, columns]) x alpha / rank``, computed in float32 as peft merges."""
+    from lightning_train.models.gpt import GPT
+
+    with torch.device("meta"):
+        model = apply_lora(GPT(config), lora)
+    parts: dict[str, list[tuple[str, int, int]]] = {}  # plain name: (adapted key, first row, rows) each
+    for key, (plain, row) in plain_names(model).items():
+        if key in adapted.shapes:
+            parts.setdefault(plain, []).append((key, row, adapted.shapes[key][0]))
+    shapes = {plain: (sum(rows for *_, rows in runs), *adapted.shapes[runs[0][0]][1:])
+              for plain, runs in parts.items()}
+    scale = lora.alpha / lora.rank
+
+    def fill(requests: list[Request]) -> None:
+        reads: list[Request] = []
+        updates: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (box, B rows, A columns)
+        factors: dict[tuple[str, Shape, Shape], torch.Tensor] = {}  # boxes of A and B, each read once
+
+        def factor(key: str, offsets: Shape, shape: Shape, device: torch.device) -> torch.Tensor:
+            if (key, offsets, shape) not in factors:
+                factors[key, offsets, shape] = torch.empty(shape, dtype=torch.float32, device=device)
+                reads.append((key, offsets, factors[key, offsets, shape]))
+            return factors[key, offsets, shape]
+
+        for name, offsets, local in requests:
+            start, stop = offsets[0], offsets[0] + len(local)
+            for key, first, rows in parts[name]:
+                low, high = max(start, first), min(stop, first + rows)
+                if low >= high:
+                    continue
+                box = local[low - start : high - start]  # a view: the reader fills it in place
+                reads.append((key, (low - first, *offsets[1:]), box))
+                layer, base, kind = key.rpartition(".base_layer.")
+                a_key, b_key = (f"{layer}.lora_{side}.{ADAPTER}.weight" for side in "AB")
+                if base and kind == "weight" and a_key in adapted.shapes:
+                    rank = adapted.shapes[a_key][0]
+                    a = factor(a_key, (0, offsets[1]), (rank, box.shape[1]), box.device)
+                    b = factor(b_key, (low - first, 0), (len(box), rank), box.device)
+                    updates.append((box, b, a))
+        adapted.fill(reads)
+        for box, b, a in updates:
+            box.add_(((b @ a) * scale).to(box.dtype))
+
+    return Slices(shapes, fill)
 
 
 def sharded_slices(path: Path, prefix: str) -> Slices:

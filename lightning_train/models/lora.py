@@ -188,16 +188,6 @@ def plain_names(model: nn.Module) -> dict[str, tuple[str, int]]:
     return out
 
 
-def to_adapted_names(state_dict: dict[str, torch.Tensor], model: nn.Module) -> dict[str, torch.Tensor]:
-    """A plain ``GPT`` state dict in the names of ``model`` after ``apply_lora`` (``plain_names``); the
-    adapters themselves are left out."""
-    own = model.state_dict()
-    return {  # views of the rows each holds
-        key: state_dict[plain].narrow(0, row, len(own[key]))
-        for key, (plain, row) in plain_names(model).items() if plain in state_dict
-    }
-
-
 def reset_lora(model: nn.Module) -> None:
     """Re-initialise the adapters (A random, B zero: the model starts unchanged); needed after a
     strategy materialised a meta-device model with each module's generic ``reset_parameters``."""

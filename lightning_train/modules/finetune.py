@@ -13,9 +13,8 @@ tensors (one process, ddp). A strategy that builds the model on the meta device 
 materialises this rank's shards during its ``setup`` and calls ``init_weights`` (another strategy: the load
 waits for ``on_fit_start``), before Lightning restores a resumed checkpoint, which then wins. There each
 rank reads only the slices it keeps: safetensors' ``get_slice`` for HF folders and our exports, DCP for
-our sharded folders, a memory-mapped ``.ckpt`` (``checkpoint/slices.py``), so no rank holds the full state
-dict. A LoRA fine-tune's checkpoint, whose adapters are merged into whole weights, is the exception: it is
-read whole and scattered (``set_model_state_dict``).
+our sharded folders, a memory-mapped ``.ckpt``, a LoRA fine-tune's adapters folded in a box at a time
+(``checkpoint/slices.py``), so no rank holds the full state dict.
 """
 
 from __future__ import annotations
@@ -45,9 +44,8 @@ from lightning_train.models.lora import (
     lora_layers,
     merge_lora,
     reset_lora,
-    to_adapted_names,
 )
-from lightning_train.models.weights import check_keys, load_into
+from lightning_train.models.weights import load_into
 from lightning_train.modules.pretrain import PretrainModule
 
 
@@ -197,27 +195,11 @@ class FinetuneModule(PretrainModule):
         if not self._weights_pending:
             return
         pretrained = self._pretrained
-        if pretrained is not None and pretrained.slices is not None:
+        if pretrained is not None:
             load_slices(self.model, pretrained.slices(), self.config, pretrained.source)
-        elif pretrained is not None:
-            self._load_full_state_dict()
         if self.lora is not None:  # (peft, which imports transformers, only when there are adapters)
             reset_lora(self.model)  # A random, B zero: the model starts as it was loaded
         self._weights_pending, self._pretrained = False, None
-
-    def _load_full_state_dict(self) -> None:  # the merged weights of a LoRA fine-tune's checkpoint
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-        model, state_dict = self.model, self._pretrained.read_state_dict()
-        with torch.device("meta"):
-            expected = {k: v.shape for k, v in GPT(self.config).state_dict().items()}
-        tied = {"lm_head.weight"} if self.config.tie_embeddings else set()
-        check_keys(expected, state_dict, self._pretrained.source, optional=tied)
-        if self.config.tie_embeddings:
-            state_dict.setdefault("lm_head.weight", state_dict["embed.weight"])
-        # Our key names -> the model's (LoRA moved the adapted weights to `<layer>.base_layer`, split qkv).
-        state_dict = to_adapted_names(state_dict, model)
-        set_model_state_dict(model, state_dict, options=StateDictOptions(full_state_dict=True, strict=False))
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Refuse, with the fix, a checkpoint whose adapters sit on other layers than this model's (a
