@@ -95,6 +95,20 @@ def test_every_box_of_our_folder_and_files_is_the_whole_tensors_box(tmp_path):
         _check_every_box(source)
 
 
+def _lora_checkpoint(config: GPTConfig, lora: LoRAConfig) -> tuple[dict, dict]:
+    """The state dict and hyper-parameters a LoRA fine-tune of ``config`` saves, its adapters as if trained
+    (B is zero when they start)."""
+    torch.manual_seed(0)
+    model = apply_lora(GPT(config), lora)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(std=0.2)
+    state = {f"model.{name}": tensor for name, tensor in model.state_dict().items()}
+    hparams = {"config": dataclasses.asdict(config), "tokenizer": "byte", "lora": dataclasses.asdict(lora)}
+    return state, hparams
+
+
 @pytest.mark.parametrize("targets", [["q", "k", "v", "proj", "up"], ["qkv", "down", "lm_head"]])
 def test_every_box_of_a_lora_finetunes_checkpoint_is_the_merged_tensors_box(tmp_path, targets):
     """A LoRA fine-tune's .ckpt (memory-mapped) and sharded folder (DCP): each box of a merged weight is the
@@ -103,14 +117,7 @@ def test_every_box_of_a_lora_finetunes_checkpoint_is_the_merged_tensors_box(tmp_
     config = GPTConfig(vocab_size=96, block_size=16, n_layer=2, n_head=4, n_kv_head=2, n_embd=32,
                        tie_embeddings=False)
     lora = LoRAConfig(rank=3, alpha=6.0, target_modules=targets)
-    torch.manual_seed(0)
-    model = apply_lora(GPT(config), lora)
-    with torch.no_grad():  # trained adapters: B is zero when they start
-        for name, param in model.named_parameters():
-            if "lora_B" in name:
-                param.normal_(std=0.2)
-    state = {f"model.{name}": tensor for name, tensor in model.state_dict().items()}
-    hparams = {"config": dataclasses.asdict(config), "tokenizer": None, "lora": dataclasses.asdict(lora)}
+    state, hparams = _lora_checkpoint(config, lora)
     folder = tmp_path / "step=1"
     save_sharded_checkpoint({"state_dict": dict(state), "hyper_parameters": hparams}, folder, is_writer=True,
                             barrier=lambda: None)
@@ -179,16 +186,8 @@ def test_a_lora_finetunes_checkpoint_loaded_in_slices_gives_one_process_weights(
     """A LoRA fine-tune's .ckpt as ``init_from`` on 2 fsdp ranks: each rank folds the adapters into its own
     boxes; gathered, the weights are one process's, which merges them whole (to float32 rounding)."""
     config = GPTConfig(vocab_size=64, block_size=16, n_layer=4, n_head=4, n_kv_head=2, n_embd=32)
-    lora = LoRAConfig(rank=2, alpha=4.0)
-    torch.manual_seed(0)
-    model = apply_lora(GPT(config), lora)
-    with torch.no_grad():  # trained adapters: B is zero when they start
-        for name, param in model.named_parameters():
-            if "lora_B" in name:
-                param.normal_(std=0.2)
-    hparams = {"config": dataclasses.asdict(config), "tokenizer": "byte", "lora": dataclasses.asdict(lora)}
-    torch.save({"state_dict": {f"model.{k}": v for k, v in model.state_dict().items()},
-                "hyper_parameters": hparams}, tmp_path / "lora.ckpt")
+    state, hparams = _lora_checkpoint(config, LoRAConfig(rank=2, alpha=4.0))
+    torch.save({"state_dict": state, "hyper_parameters": hparams}, tmp_path / "lora.ckpt")
     source = f"--init_from={tmp_path / 'lora.ckpt'}"
     [(_, whole, one_logits)] = _run(tmp_path / "one", "--devices=1", source)
     ranks = _run(tmp_path / "sharded", "--devices=2", source)

@@ -125,9 +125,9 @@ class DownstreamEval(Callback):
         from lightning_train.evaluation.harness import run_tasks, task_metrics
         from lightning_train.evaluation.lm_eval_model import LightningTrainLM
 
-        generator = getattr(trainer.strategy, "generator", None)  # ParallelStrategy's: tp or pp layouts
-        model = (generator() if generator is not None else None) or pl_module.model
-        lm = LightningTrainLM(model, self._tokenizer, self.batch_size, self.max_gen_toks)
+        strategy = trainer.strategy
+        sharded = strategy.generator() if hasattr(strategy, "generator") else None  # tp/pp layouts
+        lm = LightningTrainLM(sharded or pl_module.model, self._tokenizer, self.batch_size, self.max_gen_toks)
         python_state, numpy_state = random.getstate(), np.random.get_state()
         devices = [pl_module.device] if pl_module.device.type == "cuda" else []
         try:
