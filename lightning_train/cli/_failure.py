@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import socket
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -24,15 +25,21 @@ from lightning_train.errors import TrainingAborted, UserInputError, refused_writ
 _REPORTED_KEY = "lightning_train/failure_reported"
 _CODE_KEY = "lightning_train/failure_exit_code"
 LOST_PEER_EXIT_CODE = 1  # the launcher reports rank 0's own code; this one is only the consequence
+NODE_REPORT_GRACE_S = 3.0  # a bad config is found in the same second by every process of a node
 
 
 def claim_report(code: int) -> bool:
     """Whether this process is the one to print its failure (exit ``code``): inside a process group,
     only the first rank to claim it; before one (a bad config, which every rank of a launch reads), the
-    first process of each node, so that each node's log says why and once."""
+    first process of each node, so that each node's log says why and once. Under torchrun, whose agent
+    stops a node's other processes as soon as one of them fails, the others wait ``NODE_REPORT_GRACE_S``
+    first, so that the node's first process is not stopped before it has printed."""
     store = _store()
     if store is None:
-        return first_process_of_node()
+        first = first_process_of_node()
+        if not first and "TORCHELASTIC_RUN_ID" in os.environ:
+            time.sleep(NODE_REPORT_GRACE_S)
+        return first
     if _store_host_gone():
         return False
     try:
