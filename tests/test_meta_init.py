@@ -88,13 +88,19 @@ MEMORY_CONFIG = {"vocab_size": 8192, "n_layer": 16, "n_head": 8, "n_embd": 512, 
 
 def test_no_rank_ever_holds_the_whole_model(tmp_path):
     """From before configure_model to the first step, each fsdp rank's peak resident memory rises by at
-    most 0.6x the model's bytes; one process's, the control, by at least the model's bytes."""
+    most its shards, the one whole tensor it draws at a time (models/init.py: the embedding, the largest)
+    and 0.1x the model's bytes of the process's own (imports, allocator); one process's, the control, by
+    at least 0.9x the model's bytes. CI saw 0.60x against a bound of 0.68x and a control of 1.0x."""
     common = [f"--config={json.dumps(MEMORY_CONFIG)}", "--no_weights"]
     [(one, _)] = _run(tmp_path / "one", "--devices=1", *common)
     assert one["model_param_bytes"] > 200e6
     assert one["rss_rise"] >= 0.9 * one["model_param_bytes"], one
+    with torch.device("meta"):
+        largest = max(p.numel() * p.element_size() for p in GPT(GPTConfig(**MEMORY_CONFIG)).parameters())
     ranks = _run(tmp_path / "fsdp", "--devices=2", *common)
     assert len(ranks) == 2
     for report, _ in ranks:
         assert report["built_on"] == ["meta"]
-        assert report["rss_rise"] <= 0.6 * report["model_param_bytes"], report
+        bound = report["local_param_bytes"] + largest + 0.1 * report["model_param_bytes"]
+        assert bound < 0.75 * report["model_param_bytes"]  # well apart from the control
+        assert report["rss_rise"] <= bound, (report, bound)
