@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import inspect
 import io
+import logging
 import subprocess
 import sys
 from typing import Any
@@ -19,6 +20,35 @@ from tqdm import tqdm
 from lightning_train import _compat
 from lightning_train._compat import other_api
 from tests.conftest import cli_env
+
+
+# ---- lm_eval ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("progress", [True, False])
+def test_lm_eval_console(tmp_path, monkeypatch, capfd, progress: bool) -> None:
+    """The names it patches exist and are put back; git's stderr is gone and its answer is lm_eval's own;
+    without progress, lm_eval's bars are off and its log is at errors only."""
+    datasets = pytest.importorskip("datasets")
+    import lm_eval.api.model
+    import lm_eval.api.task
+    import lm_eval.evaluator
+
+    monkeypatch.chdir(tmp_path)  # not a git checkout: git prints "fatal: ..."
+    names = [(lm_eval.evaluator, "get_git_commit_hash"), (lm_eval.api.task, "tqdm"),
+             (lm_eval.api.model, "tqdm")]
+    before = [getattr(module, name) for module, name in names]
+    expected = before[0]()
+    assert "fatal" in capfd.readouterr().err
+    with _compat.lm_eval_console(progress):
+        assert lm_eval.evaluator.get_git_commit_hash() == expected
+        assert "fatal" not in capfd.readouterr().err
+        bar = lm_eval.api.task.tqdm(range(3), file=sys.stderr)
+        assert bar.disable is not progress
+        bar.close()
+        assert (logging.getLogger("lm_eval.api.task").getEffectiveLevel() == logging.ERROR) is not progress
+        assert datasets.is_progress_bar_enabled() is progress
+    assert [getattr(module, name) for module, name in names] == before
+    assert datasets.is_progress_bar_enabled()
+    assert logging.getLogger("lm_eval.api.task").getEffectiveLevel() < logging.ERROR
 
 
 # ---- tqdm and argparse ------------------------------------------------------------------------------------

@@ -211,6 +211,8 @@ def test_callback_scores_in_the_layout_it_trains_in(work, tmp_path, layout):
         "--trainer.callbacks.batch_size=4", cwd=tmp_path, timeout=400,
     )
     assert done.returncode == 0, done.stderr[-3000:]
+    for noise in ("fatal: not a git repository", "Tokenizing inputs", "[Task: ", "Generating test split"):
+        assert noise not in done.stderr + done.stdout, noise  # lm_eval's console stays off the run's
     run = tmp_path / "run"
     values = logged(next(run.glob("version_*")))
     final = LightningTrainLM.from_checkpoint(str(run / "checkpoints" / "last.ckpt"))

@@ -1,7 +1,7 @@
-"""Every use of a private name of torch, Lightning, torchmetrics, tqdm or argparse, in one place.
+"""Every use of a private name of torch, Lightning, torchmetrics, lm_eval, tqdm or argparse, in one place.
 
 This package: ``torch_api.py`` (torch and torch.distributed), ``lightning_api.py`` (Lightning) and
-``other_api.py`` (torchmetrics, tqdm, argparse); callers import the names from here.
+``other_api.py`` (torchmetrics, lm_eval, tqdm, argparse); callers import the names from here.
 
 Private names change without notice, so each one is reached only through a small function here, with a
 test of its own in ``tests/test_compat_*.py``: a dependency upgrade that breaks one fails a named test
@@ -56,6 +56,7 @@ from lightning_train._compat.lightning_api import (
 )
 from lightning_train._compat.other_api import (
     FULL_TORCHMETRICS_ENV,
+    lm_eval_console,
     object_storage_check_without_imports,
     open_tqdm_bars,
     subcommand_actions,
@@ -109,6 +110,7 @@ __all__ = [
     "is_compiled",
     "logger_prefix",
     "logging_as_hook",
+    "lm_eval_console",
     "local_box",
     "loss_scale_async",
     "muon_adjusted_lr",

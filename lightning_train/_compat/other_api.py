@@ -1,10 +1,14 @@
-"""Private names of torchmetrics, tqdm and argparse (see the package docstring)."""
+"""Private names of torchmetrics, lm_eval, tqdm and argparse (see the package docstring)."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import logging
 import os
+import subprocess
 import sys
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -71,6 +75,59 @@ def object_storage_check_without_imports() -> None:
         return bool(_OBJECT_STORAGE_PACKAGES & sys.modules.keys()) and check(fs)
 
     cloud_io._is_object_storage = is_object_storage
+
+
+# ---- lm_eval ---------------------------------------------------------------------------------------------
+def _git_hash_without_stderr() -> str | None:
+    """lm_eval's ``get_git_commit_hash`` with git's stderr discarded: outside a git checkout git prints
+    ``fatal: not a git repository`` before lm_eval falls back to reading ``.git`` itself."""
+    from lm_eval.loggers.utils import get_commit_from_path
+
+    try:
+        command = ["git", "describe", "--always"]
+        return subprocess.check_output(command, stderr=subprocess.DEVNULL).strip().decode()
+    except (subprocess.CalledProcessError, FileNotFoundError):
+        return get_commit_from_path(os.getcwd())
+
+
+@contextlib.contextmanager
+def lm_eval_console(progress: bool) -> Iterator[None]:
+    """lm_eval's ``simple_evaluate`` without the ``fatal:`` line of its git probe and, with ``progress``
+    False, without its console output: the progress bars of ``lm_eval.api.task`` and ``lm_eval.api.model``
+    (their module-level ``tqdm``: ``build_all_requests`` has no switch), its log below errors and the
+    ``datasets`` bars of a task's first load. Patches ``lm_eval.evaluator.get_git_commit_hash`` and those
+    ``tqdm`` names (lm_eval 0.4.13; no public switch) for the duration, and puts them back."""
+    import datasets
+    import lm_eval.api.model
+    import lm_eval.api.task
+    import lm_eval.evaluator
+    from tqdm import tqdm
+
+    patched: list[tuple[Any, str, Any]] = [
+        (lm_eval.evaluator, "get_git_commit_hash", _git_hash_without_stderr),
+    ]
+    if not progress:
+        class QuietBar(tqdm):
+            def __init__(self, *args: Any, **kwargs: Any) -> None:
+                super().__init__(*args, **{**kwargs, "disable": True})
+
+        patched += [(lm_eval.api.task, "tqdm", QuietBar), (lm_eval.api.model, "tqdm", QuietBar)]
+    originals = [(module, name, getattr(module, name)) for module, name, _ in patched]
+    log = logging.getLogger("lm_eval")
+    level, bars_were_on = log.level, datasets.is_progress_bar_enabled()
+    try:
+        for module, name, replacement in patched:
+            setattr(module, name, replacement)
+        if not progress:
+            log.setLevel(logging.ERROR)
+            datasets.disable_progress_bars()
+        yield
+    finally:
+        for module, name, original in originals:
+            setattr(module, name, original)
+        log.setLevel(level)
+        if not progress and bars_were_on:
+            datasets.enable_progress_bars()
 
 
 # ---- tqdm and argparse ------------------------------------------------------------------------------------

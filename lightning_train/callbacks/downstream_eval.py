@@ -26,7 +26,7 @@ class DownstreamEval(Callback):
     every request together, through the strategy's generator under tensor or pipeline parallelism
     (``ParallelStrategy.generator``), so no rank ever gathers the whole model. The random number generators
     (torch, numpy, Python) are as they were after each evaluation, so training draws the same numbers with
-    or without it.
+    or without it. lm_eval's progress bars and warnings stay off the console, under the run's own bar.
 
     Args:
         tasks: lm_eval task names or task YAML paths.
@@ -132,7 +132,8 @@ class DownstreamEval(Callback):
         devices = [pl_module.device] if pl_module.device.type == "cuda" else []
         try:
             with torch.random.fork_rng(devices=devices):
-                results = run_tasks(lm, self.tasks, self.include_path, self.num_fewshot, self.limit)
+                results = run_tasks(lm, self.tasks, self.include_path, self.num_fewshot, self.limit,
+                                    progress=False)
         finally:
             random.setstate(python_state)
             np.random.set_state(numpy_state)

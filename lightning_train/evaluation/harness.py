@@ -60,18 +60,24 @@ def run_tasks(
     limit: float | None = None,
     bootstrap_iters: int = 0,
     seed: int = 1234,
+    progress: bool = True,
 ) -> dict[str, Any] | None:
     """lm_eval's ``simple_evaluate`` of ``lm`` (a ``LightningTrainLM``) on ``tasks``: its results dict on
     rank 0, None on the other ranks. ``limit``: the first N documents of each task (a fraction below 1);
-    ``bootstrap_iters``: lm_eval's resamples for the standard errors of metrics that need them (0: none)."""
+    ``bootstrap_iters``: lm_eval's resamples for the standard errors of metrics that need them (0: none);
+    ``progress`` False: none of lm_eval's progress bars or log below errors (an evaluation during training,
+    under the run's own progress bar)."""
     import lm_eval
 
+    from lightning_train._compat import lm_eval_console
+
     manager = task_manager(tasks, include_path)
-    return lm_eval.simple_evaluate(
-        model=lm, tasks=list(tasks), task_manager=manager, num_fewshot=num_fewshot, limit=limit,
-        bootstrap_iters=bootstrap_iters, log_samples=False, random_seed=seed, numpy_random_seed=seed,
-        torch_random_seed=seed, fewshot_random_seed=seed,
-    )
+    with lm_eval_console(progress):
+        return lm_eval.simple_evaluate(
+            model=lm, tasks=list(tasks), task_manager=manager, num_fewshot=num_fewshot, limit=limit,
+            bootstrap_iters=bootstrap_iters, log_samples=False, random_seed=seed, numpy_random_seed=seed,
+            torch_random_seed=seed, fewshot_random_seed=seed,
+        )
 
 
 def task_metrics(results: dict[str, Any]) -> dict[str, float]:
