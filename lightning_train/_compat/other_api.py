@@ -20,37 +20,54 @@ if TYPE_CHECKING:
 
 # ---- torchmetrics ----------------------------------------------------------------------------------------
 # Its flags for the optional packages whose metrics import them with torchmetrics itself (BERTScore, InfoLM,
-# CLIPScore, CLIP-IQA: transformers; Metric.plot: matplotlib); ``RequirementCache``s of
-# ``torchmetrics.utilities.imports`` (torchmetrics 1.4-1.9), which skip their check once ``available`` is set.
+# CLIPScore, CLIP-IQA: transformers; Metric.plot: matplotlib; the audio metrics' ``import scipy.signal``, a
+# patch for SRMRpy: _SCIPI_); ``RequirementCache``s of ``torchmetrics.utilities.imports`` (torchmetrics
+# 1.4-1.9), which skip their check once ``available`` is set.
 _HEAVY_OPTIONAL_FLAGS = ("_TRANSFORMERS_AVAILABLE", "_TRANSFORMERS_GREATER_EQUAL_4_4",
-                         "_TRANSFORMERS_GREATER_EQUAL_4_10", "_MATPLOTLIB_AVAILABLE")
+                         "_TRANSFORMERS_GREATER_EQUAL_4_10", "_MATPLOTLIB_AVAILABLE", "_SCIPI_AVAILABLE")
 FULL_TORCHMETRICS_ENV = "LIGHTNING_TRAIN_FULL_TORCHMETRICS"
 
 
 def torchmetrics_without_heavy_extras() -> None:
     """Make the coming first import of torchmetrics (Lightning's import does it) see transformers and
-    matplotlib as absent: importing them takes about 1.7 of the 5.5 CPU seconds of ``import lightning``,
-    in every process of every run, for metrics training does not use. A no-op when torchmetrics is already
-    imported or ``LIGHTNING_TRAIN_FULL_TORCHMETRICS=1`` asks for those metrics. No public switch exists."""
+    matplotlib as absent, and skip its ``import scipy.signal`` (twice a patch for one audio metric's package):
+    importing those takes about 1.7 and 0.6 of the 5.5 CPU seconds of ``import lightning`` in every
+    process of every run where they are installed (scipy comes with lm-eval), for metrics training does not
+    use. A no-op when torchmetrics is already imported or ``LIGHTNING_TRAIN_FULL_TORCHMETRICS=1`` asks for
+    those metrics. No public switch exists."""
     if "torchmetrics" in sys.modules or os.environ.get(FULL_TORCHMETRICS_ENV) == "1":
         return
     import importlib.abc
     import importlib.machinery
 
+    import lightning_utilities.core.imports as requirements
+
+    def exec_torchmetrics(run_module: Any, module: Any) -> None:
+        # torchmetrics/__init__.py: ``if package_available("scipy"): import scipy.signal``
+        available = requirements.package_available
+        requirements.package_available = lambda name: name != "scipy" and available(name)
+        try:
+            run_module(module)
+        finally:
+            requirements.package_available = available
+
+    def exec_flags(run_module: Any, module: Any) -> None:
+        run_module(module)
+        for flag in _HEAVY_OPTIONAL_FLAGS:
+            getattr(module, flag).available = False
+
     class FlagsOff(importlib.abc.MetaPathFinder):
+        pending = {"torchmetrics": exec_torchmetrics, "torchmetrics.utilities.imports": exec_flags}
+
         def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
-            if name != "torchmetrics.utilities.imports":
+            if name not in self.pending:
                 return None
-            sys.meta_path.remove(self)
+            run_instead = self.pending.pop(name)
+            if not self.pending:
+                sys.meta_path.remove(self)
             spec = importlib.machinery.PathFinder.find_spec(name, path)
             run_module = spec.loader.exec_module
-
-            def exec_module(module: Any) -> None:
-                run_module(module)
-                for flag in _HEAVY_OPTIONAL_FLAGS:
-                    getattr(module, flag).available = False
-
-            spec.loader.exec_module = exec_module
+            spec.loader.exec_module = lambda module: run_instead(run_module, module)
             return spec
 
     sys.meta_path.insert(0, FlagsOff())
