@@ -72,15 +72,14 @@ def test_gpu_smoke_on_cpu(tmp_path: Path) -> None:
     assert payload["fit_diagnostics"]["syncs"]["syncs_per_step"] is None  # counted on CUDA only
 
 
-def test_gpu_without_cuda_says_so_and_writes_nothing(tmp_path: Path) -> None:
+def test_gpu_without_cuda_says_so_and_writes_nothing(tmp_path: Path, monkeypatch, capsys) -> None:
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
-    done = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "gpu.py"), "--out", str(tmp_path / "gpu.json")],
-        cwd=REPO, env=cli_env(), capture_output=True, text=True, timeout=120,
-    )
-    assert done.returncode == 0
-    assert "not run: no CUDA device" in done.stdout
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    from gpu import main  # in this process: a new one would spend seconds importing to say one line
+
+    assert main(["--out", str(tmp_path / "gpu.json")]) is None
+    assert "not run: no CUDA device" in capsys.readouterr().out
     assert not (tmp_path / "gpu.json").exists()
 
 
@@ -172,12 +171,17 @@ def run_gpu_plan(*args: str, timeout: float = 240) -> subprocess.CompletedProces
         (["--dry-run", "--gpus", "2", "--tp", "1,4"], "error: --tp 4 needs 4 GPUs, there are 2"),
     ],
 )
-def test_model_parallel_gpu_refuses_with_one_line(tmp_path: Path, args: list[str], message: str) -> None:
+def test_model_parallel_gpu_refuses_with_one_line(
+    tmp_path: Path, monkeypatch, capsys, args: list[str], message: str
+) -> None:
     if not args and torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
-    done = run_gpu_plan(*args, "--out", str(tmp_path / "gpu.json"))
-    assert done.returncode == 2, done.stderr[-3000:]
-    assert done.stderr.strip().splitlines() == [done.stderr.strip()] and done.stderr.startswith(message)
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    from model_parallel_gpu import main  # in this process: the refusal comes before any launch
+
+    assert main([*args, "--out", str(tmp_path / "gpu.json")]) == 2
+    stderr = capsys.readouterr().err
+    assert stderr.strip().splitlines() == [stderr.strip()] and stderr.startswith(message)
     assert not (tmp_path / "gpu.json").exists()
 
 

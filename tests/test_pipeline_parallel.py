@@ -12,8 +12,8 @@ import yaml
 from safetensors.torch import load_file
 
 from lightning_train.checkpoint import consolidate
-from tests.conftest import run_cli
-from tests.test_strategy_multiprocess import ENV, _fit
+from tests.conftest import run_cli_in_process
+from tests.test_strategy_multiprocess import _fit
 
 pytestmark = pytest.mark.slow
 PARALLEL = "--trainer.strategy=lightning_train.strategies.ParallelStrategy"
@@ -212,10 +212,12 @@ def test_pipeline_checkpoints_move_between_layouts(tmp_path):
     ],
 )
 def test_bad_pipeline_layout_is_one_line_exit_2(tmp_path, args, message):
-    done = run_cli(
+    """Refused before any process starts, so asked in this process (a new one spends seconds importing)."""
+    done = run_cli_in_process(
         "fit", "--config", _config(tmp_path), "--trainer.devices=2", PARALLEL, *args,
-        f"--trainer.default_root_dir={tmp_path / 'bad'}", cwd=tmp_path, env=ENV, timeout=120,
+        f"--trainer.default_root_dir={tmp_path / 'bad'}", cwd=tmp_path,
     )
+    assert not torch.distributed.is_initialized()  # no process group: nothing was launched
     assert done.returncode == 2, done.stderr[-3000:]
     errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and message in errors[0], done.stderr[-3000:]

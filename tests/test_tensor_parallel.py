@@ -16,8 +16,8 @@ from safetensors.torch import load_file
 from lightning_train._compat import end_distributed_process
 from lightning_train.checkpoint import consolidate, save_safetensors
 from lightning_train.models.gpt import GPT, GPTConfig
-from tests.conftest import REPO, run_cli, run_torchrun
-from tests.test_strategy_multiprocess import ENV, _fit
+from tests.conftest import REPO, run_cli, run_cli_in_process, run_torchrun
+from tests.test_strategy_multiprocess import ENV, HELPERS, _fit
 
 pytestmark = pytest.mark.slow
 TP = [
@@ -209,12 +209,14 @@ def test_finetune_validates_and_generates_under_tensor_and_pipeline_parallelism_
         ),
     ],
 )
-def test_bad_layout_is_one_line_exit_2(tmp_path, args, message):
-    config = _config(tmp_path)
-    done = run_cli(
-        "fit", "--config", config, "--trainer.devices=2", *TP, *args,
-        f"--trainer.default_root_dir={tmp_path / 'bad'}", cwd=tmp_path, env=ENV, timeout=120,
+def test_bad_layout_is_one_line_exit_2(tmp_path, monkeypatch, args, message):
+    """Refused before any process starts, so asked in this process (a new one spends seconds importing)."""
+    monkeypatch.syspath_prepend(HELPERS)  # the config's strategy_probe.PatternDataModule
+    done = run_cli_in_process(
+        "fit", "--config", _config(tmp_path), "--trainer.devices=2", *TP, *args,
+        f"--trainer.default_root_dir={tmp_path / 'bad'}", cwd=tmp_path,
     )
+    assert not torch.distributed.is_initialized()  # no process group: nothing was launched
     assert done.returncode == 2, done.stderr[-3000:]
     errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and message in errors[0], done.stderr[-3000:]
