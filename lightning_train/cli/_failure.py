@@ -7,7 +7,8 @@ nothing. The store lives with torchrun's agent, which outlives its ranks, or wit
 Lightning's own launch and srun: a store that is gone means rank 0 has already ended, having said why, and
 a rank that then fails has only lost its peer, so it exits with ``LOST_PEER_EXIT_CODE`` quietly, even
 when it met the same bad input. Whether rank 0's store is gone is asked with a socket of our own: asked
-through the store, torch prints a C++ stack under the error line.
+through the store, torch prints a C++ stack under the error line. Rank 0 may still end between that check
+and the store call, so the store is asked with stderr held aside (``_ask_store``).
 """
 
 from __future__ import annotations
@@ -15,15 +16,18 @@ from __future__ import annotations
 import os
 import socket
 import sys
+import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from lightning_train._compat import process_group_store
 from lightning_train.errors import TrainingAborted, UserInputError, refused_write_of, remedy, write_failed
 
 _REPORTED_KEY = "lightning_train/failure_reported"
 _CODE_KEY = "lightning_train/failure_exit_code"
+Answer = TypeVar("Answer")
 LOST_PEER_EXIT_CODE = 1  # the launcher reports rank 0's own code; this one is only the consequence
 NODE_REPORT_GRACE_S = 3.0  # a bad config is found in the same second by every process of a node
 
@@ -43,8 +47,8 @@ def claim_report(code: int) -> bool:
     if _store_host_gone():
         return False
     try:
-        store.set(_CODE_KEY, str(code))  # before the claim: a rank that sees the claim finds the code
-        return store.add(_REPORTED_KEY, 1) == 1
+        _ask_store(lambda: store.set(_CODE_KEY, str(code)))  # before the claim: its readers find the code
+        return _ask_store(lambda: store.add(_REPORTED_KEY, 1)) == 1
     except Exception:  # the store went with its host after all
         return False
 
@@ -59,7 +63,8 @@ def peer_failure_code() -> int | None:
     if _store_host_gone():
         return LOST_PEER_EXIT_CODE
     try:
-        return int(store.get(_CODE_KEY)) if store.check([_REPORTED_KEY]) else None
+        reported = _ask_store(lambda: store.check([_REPORTED_KEY]))
+        return int(_ask_store(lambda: store.get(_CODE_KEY))) if reported else None
     except Exception:  # the store went with its host
         return LOST_PEER_EXIT_CODE
 
@@ -112,6 +117,28 @@ def _store_host_gone() -> bool:
         return False
     except OSError:
         return True
+
+
+def _ask_store(ask: Callable[[], Answer]) -> Answer:
+    """``ask()`` of the store with this process's stderr (fd 2) held aside: when the store's host ends
+    during the call, torch prints a C++ stack of its own besides raising, and that is dropped with the
+    failure; whatever else was written meanwhile is put back when the call succeeds."""
+    sys.stderr.flush()
+    try:
+        held = tempfile.TemporaryFile()  # noqa: SIM115 (closed by the `with held` below)
+    except OSError:  # no room for it: ask as is
+        return ask()
+    with held:
+        saved = os.dup(2)
+        os.dup2(held.fileno(), 2)
+        try:
+            answer = ask()
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+        held.seek(0)
+        os.write(2, held.read())
+    return answer
 
 
 def _store() -> Any | None:
